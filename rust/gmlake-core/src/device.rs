@@ -1,0 +1,155 @@
+//! What the allocator asks of a GPU: physical pages, virtual ranges, mappings and
+//! stream-ordered events. The CUDA driver implements it in `gmlake-cuda`; [`crate::SimDevice`]
+//! implements it on the host for tests and trace replay.
+//!
+//! Rules every implementation follows (the simulated device enforces them, the CUDA driver
+//! enforces most of them):
+//! - sizes and addresses given to `create_physical`, `reserve_va`, `map` and `unmap` are
+//!   multiples of [`Device::granularity`];
+//! - `map` targets a reserved, currently unmapped range and maps one whole handle at offset 0;
+//! - `unmap` removes exactly one earlier `map` (same address and size);
+//! - `release_physical` only takes a handle that is mapped nowhere;
+//! - `free_va` only takes a whole reservation with nothing mapped inside;
+//! - an event recorded on a stream completes once all work queued on that stream before the
+//!   record has finished.
+
+use std::fmt;
+
+/// A device virtual address, as an integer (0 is never a valid allocation).
+pub type DevicePtr = u64;
+
+/// A stream, as an integer (`cudaStream_t` cast to an integer; 0 is the legacy default stream).
+pub type StreamId = u64;
+
+/// A physical memory allocation made by [`Device::create_physical`] (`CUmemGenericAllocationHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PhysHandle(pub u64);
+
+/// An event object made by [`Device::create_event`] (`CUevent` as an integer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EventHandle(pub u64);
+
+/// Why a device call failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceError {
+    /// The device has no memory left for this request.
+    OutOfMemory,
+    /// The call broke one of the rules above (a bug in the caller, or a corrupted address).
+    InvalidArgument(String),
+    /// The driver is missing or unusable on this machine.
+    Unavailable(String),
+    /// The driver returned an error code.
+    Driver {
+        call: &'static str,
+        code: i64,
+        message: String,
+    },
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceError::OutOfMemory => write!(f, "device out of memory"),
+            DeviceError::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            DeviceError::Unavailable(m) => write!(f, "device unavailable: {m}"),
+            DeviceError::Driver {
+                call,
+                code,
+                message,
+            } => write!(f, "{call} failed with code {code}: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+pub type DeviceResult<T> = Result<T, DeviceError>;
+
+/// The operations the allocator needs from one GPU.
+///
+/// All methods take `&self`: implementations synchronise internally (the CUDA driver is
+/// thread-safe; the simulated device uses a lock). The allocator calls them with its own
+/// lock held, so they must not call back into the allocator.
+pub trait Device: Send + Sync {
+    /// Physical page size: the minimum (and recommended) allocation granularity.
+    fn granularity(&self) -> DeviceResult<usize>;
+    /// Total memory of the device in bytes.
+    fn total_memory(&self) -> DeviceResult<usize>;
+    /// Bytes the device could still hand out (as `cuMemGetInfo` reports).
+    fn free_memory(&self) -> DeviceResult<usize>;
+
+    /// Creates `size` bytes of physical memory (a multiple of the granularity).
+    fn create_physical(&self, size: usize) -> DeviceResult<PhysHandle>;
+    /// Releases physical memory that is mapped nowhere.
+    fn release_physical(&self, handle: PhysHandle) -> DeviceResult<()>;
+
+    /// Reserves a range of virtual addresses.
+    fn reserve_va(&self, size: usize, alignment: usize) -> DeviceResult<DevicePtr>;
+    /// Frees a whole reservation made by `reserve_va`, with nothing mapped inside.
+    fn free_va(&self, addr: DevicePtr, size: usize) -> DeviceResult<()>;
+
+    /// Maps the whole of `handle` (whose size is `size`) at `addr`.
+    fn map(&self, addr: DevicePtr, size: usize, handle: PhysHandle) -> DeviceResult<()>;
+    /// Removes the mapping made by `map(addr, size, _)`.
+    fn unmap(&self, addr: DevicePtr, size: usize) -> DeviceResult<()>;
+    /// Grants read-write access to a mapped range (one call may cover several mappings).
+    fn set_access(&self, addr: DevicePtr, size: usize) -> DeviceResult<()>;
+
+    /// Creates an event (timing disabled). Called off the alloc/free path: events are pooled.
+    fn create_event(&self) -> DeviceResult<EventHandle>;
+    fn destroy_event(&self, event: EventHandle) -> DeviceResult<()>;
+    /// Records `event` on `stream`.
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> DeviceResult<()>;
+    /// True once the work before the last record of `event` has completed.
+    fn query_event(&self, event: EventHandle) -> DeviceResult<bool>;
+    /// Blocks until all work on the device has completed.
+    fn synchronize(&self) -> DeviceResult<()>;
+}
+
+impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
+    fn granularity(&self) -> DeviceResult<usize> {
+        (**self).granularity()
+    }
+    fn total_memory(&self) -> DeviceResult<usize> {
+        (**self).total_memory()
+    }
+    fn free_memory(&self) -> DeviceResult<usize> {
+        (**self).free_memory()
+    }
+    fn create_physical(&self, size: usize) -> DeviceResult<PhysHandle> {
+        (**self).create_physical(size)
+    }
+    fn release_physical(&self, handle: PhysHandle) -> DeviceResult<()> {
+        (**self).release_physical(handle)
+    }
+    fn reserve_va(&self, size: usize, alignment: usize) -> DeviceResult<DevicePtr> {
+        (**self).reserve_va(size, alignment)
+    }
+    fn free_va(&self, addr: DevicePtr, size: usize) -> DeviceResult<()> {
+        (**self).free_va(addr, size)
+    }
+    fn map(&self, addr: DevicePtr, size: usize, handle: PhysHandle) -> DeviceResult<()> {
+        (**self).map(addr, size, handle)
+    }
+    fn unmap(&self, addr: DevicePtr, size: usize) -> DeviceResult<()> {
+        (**self).unmap(addr, size)
+    }
+    fn set_access(&self, addr: DevicePtr, size: usize) -> DeviceResult<()> {
+        (**self).set_access(addr, size)
+    }
+    fn create_event(&self) -> DeviceResult<EventHandle> {
+        (**self).create_event()
+    }
+    fn destroy_event(&self, event: EventHandle) -> DeviceResult<()> {
+        (**self).destroy_event(event)
+    }
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> DeviceResult<()> {
+        (**self).record_event(event, stream)
+    }
+    fn query_event(&self, event: EventHandle) -> DeviceResult<bool> {
+        (**self).query_event(event)
+    }
+    fn synchronize(&self) -> DeviceResult<()> {
+        (**self).synchronize()
+    }
+}

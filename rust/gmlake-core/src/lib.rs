@@ -1,0 +1,27 @@
+//! GMLake core: a GPU memory allocator that defragments by virtual memory stitching.
+//!
+//! Physical memory is held as pages ([`Device::create_physical`]); every block is a range of
+//! virtual addresses mapped onto pages. When no cached free block fits a request, pages are
+//! taken from several cached free blocks and mapped into one new contiguous range (a
+//! *stitch*) before the device is asked for new memory. See `docs/design.md` for the
+//! invariants.
+//!
+//! This crate knows nothing of CUDA: it drives a [`Device`]. [`SimDevice`] simulates one on
+//! the host, enforcing the driver's rules, for tests and trace replay.
+
+pub mod allocator;
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod sim;
+pub mod stats;
+
+pub use allocator::{Allocator, AllocationInfo, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
+pub use config::{parse_size, Config, StitchStrategy};
+pub use device::{Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId};
+pub use error::{Error, OomInfo, Result};
+pub use sim::SimDevice;
+pub use stats::{
+    BlockInfo, BlockState, DeviceStats, DriverCalls, PoolKind, SegmentInfo, Snapshot, Stat,
+    StatArray,
+};
