@@ -1,0 +1,416 @@
+/* A stand-in for libcuda.so, for testing gmlake-cuda on machines without a GPU.
+ *
+ * It implements the driver entry points gmlake-cuda resolves, with the rules of the real
+ * driver that matter here: a current context is required, mappings must lie in reservations,
+ * only unmapped memory may be released (as the Device trait rules; the real driver defers the
+ * release instead), only empty reservations freed. Behaviour switches
+ * (environment variables, read at each call):
+ *   MOCK_CUDA_INIT_FAIL=<code>   cuInit returns <code>
+ *   MOCK_CUDA_NO_FD=1            cuMemCreate refuses POSIX fd handle types (NOT_SUPPORTED)
+ *   MOCK_CUDA_NO_FD_ATTR=1       the device reports no POSIX fd support
+ *   MOCK_CUDA_MEM=<bytes>        device memory (default 64 MiB)
+ * Compile with -DMOCK_OMIT_MEMMAP to leave cuMemMap out (a "driver too old").
+ * cuMemcpyHtoD_v2 / cuMemcpyDtoH_v2 copy through mappings (for tests/device.rs under the mock).
+ * Helpers for the test (prefixed mock_) expose internal counters. Two devices. */
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int CUresult;
+enum {
+    OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
+    INVALID_DEVICE = 101, INVALID_CONTEXT = 201, NOT_READY = 600, NOT_SUPPORTED = 801,
+};
+
+#define NDEV 2
+#define GRAN (2u << 20)
+#define MAXN 4096
+
+typedef struct { int type; int id; } Loc;
+typedef struct {
+    int type; int requestedHandleTypes; Loc location; void *win32; unsigned char flags[8];
+} Prop;
+typedef struct { Loc location; int flags; } AccessDesc;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static __thread void *current;
+static int initialized;
+static int ctx_storage[NDEV];
+static int primary_refs[NDEV];
+static long set_current_calls;
+
+static struct { unsigned long long id; size_t size; int maps; int live; int fd_type; char *mem; } allocs[MAXN];
+static int nallocs;
+static size_t used;
+static struct { unsigned long long addr; size_t size; int live; } resv[MAXN];
+static int nresv;
+static unsigned long long next_va = 0x7f0000000000ull;
+static struct { unsigned long long addr; size_t size; int ai; int live; } maps[MAXN];
+static int nmaps;
+static int last_access_count;
+static int last_access_ids[8];
+static struct { int fd; int ai; } exported[MAXN];
+static int nexported;
+
+typedef struct { unsigned magic; int pending; long recorded_at; void *ctx; } Event;
+static long syncs; /* cuCtxSynchronize calls: completes every event recorded before */
+#define EVENT_MAGIC 0xe7e7e7e7u
+
+static size_t mem_limit(void) {
+    const char *s = getenv("MOCK_CUDA_MEM");
+    return s ? (size_t)strtoull(s, 0, 10) : (64u << 20);
+}
+static int has_ctx(void) { return current != 0; }
+static int dev_of_ctx(void *c) {
+    for (int i = 0; i < NDEV; i++) if (c == &ctx_storage[i]) return i;
+    return -1;
+}
+
+CUresult cuInit(unsigned flags) {
+    const char *f = getenv("MOCK_CUDA_INIT_FAIL");
+    if (f) return atoi(f);
+    if (flags) return INVALID_VALUE;
+    initialized = 1;
+    return OK;
+}
+CUresult cuDriverGetVersion(int *v) { *v = 13000; return OK; }
+
+static const char *names[][2] = {
+    {"CUDA_SUCCESS", "no error"},
+    {"CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {"CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+};
+CUresult cuGetErrorName(CUresult e, const char **s) {
+    if (e >= 0 && e <= 2) { *s = names[e][0]; return OK; }
+    if (e == NO_DEVICE) { *s = "CUDA_ERROR_NO_DEVICE"; return OK; }
+    if (e == INVALID_CONTEXT) { *s = "CUDA_ERROR_INVALID_CONTEXT"; return OK; }
+    if (e == NOT_SUPPORTED) { *s = "CUDA_ERROR_NOT_SUPPORTED"; return OK; }
+    *s = 0;
+    return INVALID_VALUE;
+}
+CUresult cuGetErrorString(CUresult e, const char **s) {
+    if (e >= 0 && e <= 2) { *s = names[e][1]; return OK; }
+    if (e == NO_DEVICE) { *s = "no CUDA-capable device is detected"; return OK; }
+    *s = 0;
+    return INVALID_VALUE;
+}
+
+CUresult cuDeviceGetCount(int *n) { if (!initialized) return NOT_INITIALIZED; *n = NDEV; return OK; }
+CUresult cuDeviceGet(int *d, int ordinal) {
+    if (!initialized) return NOT_INITIALIZED;
+    if (ordinal < 0 || ordinal >= NDEV) return INVALID_DEVICE;
+    *d = ordinal;
+    return OK;
+}
+CUresult cuDeviceGetAttribute(int *v, int attr, int dev) {
+    if (dev < 0 || dev >= NDEV) return INVALID_DEVICE;
+    if (attr == 102) *v = 1;
+    else if (attr == 103) *v = getenv("MOCK_CUDA_NO_FD_ATTR") ? 0 : 1;
+    else *v = 0;
+    return OK;
+}
+CUresult cuDeviceTotalMem_v2(size_t *b, int dev) {
+    if (dev < 0 || dev >= NDEV) return INVALID_DEVICE;
+    *b = mem_limit();
+    return OK;
+}
+CUresult cuDeviceCanAccessPeer(int *can, int dev, int peer) {
+    if (dev < 0 || dev >= NDEV || peer < 0 || peer >= NDEV) return INVALID_DEVICE;
+    *can = 1;
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) {
+    if (dev < 0 || dev >= NDEV) return INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    primary_refs[dev]++;
+    pthread_mutex_unlock(&mu);
+    *ctx = &ctx_storage[dev];
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int dev) {
+    if (dev < 0 || dev >= NDEV) return INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    CUresult r = primary_refs[dev] > 0 ? (primary_refs[dev]--, OK) : INVALID_CONTEXT;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return OK; }
+CUresult cuCtxSetCurrent(void *ctx) {
+    if (ctx && dev_of_ctx(ctx) < 0) return INVALID_CONTEXT;
+    __atomic_add_fetch(&set_current_calls, 1, __ATOMIC_SEQ_CST);
+    current = ctx;
+    return OK;
+}
+CUresult cuCtxSynchronize(void) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    __atomic_add_fetch(&syncs, 1, __ATOMIC_SEQ_CST);
+    return OK;
+}
+CUresult cuMemGetInfo_v2(size_t *free, size_t *total) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    *free = mem_limit() - used;
+    *total = mem_limit();
+    pthread_mutex_unlock(&mu);
+    return OK;
+}
+CUresult cuMemGetAllocationGranularity(size_t *g, const Prop *p, int option) {
+    if (p->type != 1 || p->location.type != 1 || option < 0 || option > 1) return INVALID_VALUE;
+    *g = GRAN;
+    return OK;
+}
+CUresult cuMemCreate(unsigned long long *h, size_t size, const Prop *p, unsigned long long flags) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (flags || p->type != 1 || p->location.type != 1 || size == 0 || size % GRAN) return INVALID_VALUE;
+    if (p->location.id < 0 || p->location.id >= NDEV) return INVALID_DEVICE;
+    if (p->requestedHandleTypes != 0 && getenv("MOCK_CUDA_NO_FD")) return NOT_SUPPORTED;
+    pthread_mutex_lock(&mu);
+    CUresult r = OK;
+    if (used + size > mem_limit()) r = OUT_OF_MEMORY;
+    else if (nallocs == MAXN) r = OUT_OF_MEMORY;
+    else {
+        allocs[nallocs].id = 0x1000 + nallocs;
+        allocs[nallocs].size = size;
+        allocs[nallocs].maps = 0;
+        allocs[nallocs].live = 1;
+        allocs[nallocs].fd_type = p->requestedHandleTypes == 1;
+        allocs[nallocs].mem = calloc(1, size); /* never freed: imported handles share it */
+        *h = allocs[nallocs].id;
+        nallocs++;
+        used += size;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+static int find_alloc(unsigned long long h) {
+    for (int i = 0; i < nallocs; i++) if (allocs[i].live && allocs[i].id == h) return i;
+    return -1;
+}
+CUresult cuMemRelease(unsigned long long h) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    int i = find_alloc(h);
+    CUresult r = OK;
+    if (i < 0 || allocs[i].maps) r = INVALID_VALUE;
+    else { allocs[i].live = 0; used -= allocs[i].size; }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuMemAddressReserve(unsigned long long *ptr, size_t size, size_t align,
+                             unsigned long long addr, unsigned long long flags) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (size == 0 || size % GRAN || addr || flags || (align & (align - 1))) return INVALID_VALUE;
+    if (align < GRAN) align = GRAN;
+    pthread_mutex_lock(&mu);
+    CUresult r = OK;
+    if (nresv == MAXN) r = OUT_OF_MEMORY;
+    else {
+        unsigned long long a = (next_va + align - 1) / align * align;
+        resv[nresv].addr = a; resv[nresv].size = size; resv[nresv].live = 1; nresv++;
+        next_va = a + size + GRAN; /* a gap, so adjacent reservations are distinct */
+        *ptr = a;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuMemAddressFree(unsigned long long addr, size_t size) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (addr == 0xdead00000000ull) return 999; /* a code no binding knows */
+    pthread_mutex_lock(&mu);
+    CUresult r = INVALID_VALUE;
+    for (int i = 0; i < nresv; i++) {
+        if (resv[i].live && resv[i].addr == addr && resv[i].size == size) {
+            int busy = 0;
+            for (int m = 0; m < nmaps; m++)
+                if (maps[m].live && maps[m].addr >= addr && maps[m].addr < addr + size) busy = 1;
+            if (!busy) { resv[i].live = 0; r = OK; }
+            break;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+#ifndef MOCK_OMIT_MEMMAP
+CUresult cuMemMap(unsigned long long addr, size_t size, size_t offset, unsigned long long h,
+                  unsigned long long flags) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (offset || flags || size % GRAN || addr % GRAN) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = INVALID_VALUE;
+    int ai = find_alloc(h);
+    int inside = 0;
+    for (int i = 0; i < nresv; i++)
+        if (resv[i].live && addr >= resv[i].addr && addr + size <= resv[i].addr + resv[i].size)
+            inside = 1;
+    int overlap = 0;
+    for (int m = 0; m < nmaps; m++)
+        if (maps[m].live && addr < maps[m].addr + maps[m].size && maps[m].addr < addr + size)
+            overlap = 1;
+    if (ai >= 0 && inside && !overlap && size <= allocs[ai].size && nmaps < MAXN) {
+        maps[nmaps].addr = addr; maps[nmaps].size = size; maps[nmaps].ai = ai;
+        maps[nmaps].live = 1; nmaps++;
+        allocs[ai].maps++;
+        r = OK;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+#endif
+CUresult cuMemUnmap(unsigned long long addr, size_t size) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    CUresult r = INVALID_VALUE;
+    for (int m = 0; m < nmaps; m++) {
+        if (maps[m].live && maps[m].addr == addr && maps[m].size == size) {
+            maps[m].live = 0;
+            allocs[maps[m].ai].maps--;
+            r = OK;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuMemSetAccess(unsigned long long addr, size_t size, const AccessDesc *d, size_t n) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (n == 0 || n > 8) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    /* Every byte of the range must be mapped. */
+    unsigned long long a = addr;
+    CUresult r = OK;
+    while (a < addr + size) {
+        int found = 0;
+        for (int m = 0; m < nmaps; m++)
+            if (maps[m].live && maps[m].addr == a) { a += maps[m].size; found = 1; break; }
+        if (!found) { r = INVALID_VALUE; break; }
+    }
+    if (r == OK) {
+        for (size_t i = 0; i < n; i++) {
+            if (d[i].location.type != 1 || d[i].flags != 3) r = INVALID_VALUE;
+            last_access_ids[i] = d[i].location.id;
+        }
+        last_access_count = (int)n;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuMemExportToShareableHandle(void *out, unsigned long long h, int type,
+                                      unsigned long long flags) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (type != 1 || flags) return INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    int ai = find_alloc(h);
+    CUresult r = INVALID_VALUE;
+    if (ai >= 0 && allocs[ai].fd_type && nexported < MAXN) {
+        int fd = open("/dev/null", O_RDONLY);
+        exported[nexported].fd = fd; exported[nexported].ai = ai; nexported++;
+        *(int *)out = fd;
+        r = OK;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuMemImportFromShareableHandle(unsigned long long *h, void *os, int type) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (type != 1) return INVALID_VALUE;
+    int fd = (int)(intptr_t)os;
+    pthread_mutex_lock(&mu);
+    CUresult r = INVALID_VALUE;
+    for (int i = 0; i < nexported; i++) {
+        if (exported[i].fd == fd && nallocs < MAXN) {
+            /* A second handle onto the same memory: counts no extra bytes. */
+            allocs[nallocs] = allocs[exported[i].ai];
+            allocs[nallocs].id = 0x1000 + nallocs;
+            allocs[nallocs].maps = 0;
+            used += allocs[nallocs].size;
+            *h = allocs[nallocs].id;
+            nallocs++;
+            r = OK;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuEventCreate(void **ev, unsigned flags) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (flags != 2) return INVALID_VALUE; /* gmlake asks for CU_EVENT_DISABLE_TIMING only */
+    Event *e = calloc(1, sizeof *e);
+    e->magic = EVENT_MAGIC;
+    e->ctx = current;
+    *ev = e;
+    return OK;
+}
+CUresult cuEventDestroy_v2(void *ev) {
+    Event *e = ev;
+    if (!e || e->magic != EVENT_MAGIC) return INVALID_VALUE;
+    e->magic = 0;
+    free(e);
+    return OK;
+}
+CUresult cuEventRecord(void *ev, void *stream) {
+    Event *e = ev;
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (!e || e->magic != EVENT_MAGIC) return INVALID_VALUE;
+    if (stream != 0 && (uintptr_t)stream != 0x5157) return INVALID_VALUE; /* 0 or our fake stream */
+    e->pending = 1;
+    e->recorded_at = __atomic_load_n(&syncs, __ATOMIC_SEQ_CST);
+    return OK;
+}
+CUresult cuEventQuery(void *ev) {
+    Event *e = ev;
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (!e || e->magic != EVENT_MAGIC) return INVALID_VALUE;
+    if (e->pending && __atomic_load_n(&syncs, __ATOMIC_SEQ_CST) > e->recorded_at) e->pending = 0;
+    if (e->pending) { e->pending = 0; return NOT_READY; } /* completes at the second query */
+    return OK;
+}
+
+/* Copies through the mappings (the memory behind a page is shared by all its mappings). */
+static char *translate(unsigned long long a, size_t *room) {
+    for (int m = 0; m < nmaps; m++)
+        if (maps[m].live && a >= maps[m].addr && a < maps[m].addr + maps[m].size) {
+            *room = maps[m].addr + maps[m].size - a;
+            return allocs[maps[m].ai].mem + (a - maps[m].addr);
+        }
+    return 0;
+}
+static CUresult copy(char *host, unsigned long long dev, size_t n, int to_dev) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    CUresult r = OK;
+    while (n) {
+        size_t room;
+        char *p = translate(dev, &room);
+        if (!p) { r = INVALID_VALUE; break; }
+        size_t k = n < room ? n : room;
+        if (to_dev) memcpy(p, host, k); else memcpy(host, p, k);
+        host += k; dev += k; n -= k;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+CUresult cuMemcpyHtoD_v2(unsigned long long dst, const void *src, size_t n) {
+    return copy((char *)src, dst, n, 1);
+}
+CUresult cuMemcpyDtoH_v2(void *dst, unsigned long long src, size_t n) {
+    return copy(dst, src, n, 0);
+}
+
+/* Test helpers. */
+int mock_primary_refs(int dev) { return primary_refs[dev]; }
+long mock_set_current_calls(void) { return __atomic_load_n(&set_current_calls, __ATOMIC_SEQ_CST); }
+void *mock_ctx_of(int dev) { return &ctx_storage[dev]; }
+int mock_last_access(int *ids) {
+    for (int i = 0; i < last_access_count; i++) ids[i] = last_access_ids[i];
+    return last_access_count;
+}
+size_t mock_used(void) { return used; }
+int mock_live_mappings(void) {
+    int n = 0;
+    for (int m = 0; m < nmaps; m++) n += maps[m].live;
+    return n;
+}
