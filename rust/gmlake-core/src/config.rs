@@ -355,7 +355,11 @@ mod tests {
         let e = c.set("reuseLimit", "0.5").unwrap_err();
         assert!(e.to_string().contains("reuseLimit") && e.to_string().contains("0.5"));
         assert!(c.apply_conf("fragLimit").is_err());
-        assert!(c.set("nonsense", "1").unwrap_err().to_string().contains("nonsense"));
+        assert!(c
+            .set("nonsense", "1")
+            .unwrap_err()
+            .to_string()
+            .contains("nonsense"));
         assert!(c.set("memory_fraction", "1.5").is_err());
         assert!(c.set("page_size", "3MiB").is_err());
     }

@@ -10,13 +10,14 @@
 //! the host, enforcing the driver's rules, for tests and trace replay.
 
 pub mod allocator;
+mod arena;
 pub mod config;
 pub mod device;
 pub mod error;
 pub mod sim;
 pub mod stats;
 
-pub use allocator::{Allocator, AllocationInfo, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
+pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
 pub use config::{parse_size, Config, StitchStrategy};
 pub use device::{Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId};
 pub use error::{Error, OomInfo, Result};

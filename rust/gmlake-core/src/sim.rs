@@ -59,7 +59,10 @@ impl SimDevice {
     }
 
     pub fn with_granularity(capacity: u64, granularity: u64) -> SimDevice {
-        assert!(granularity.is_power_of_two(), "granularity must be a power of two");
+        assert!(
+            granularity.is_power_of_two(),
+            "granularity must be a power of two"
+        );
         SimDevice {
             capacity,
             granularity,
@@ -81,7 +84,11 @@ impl SimDevice {
 
     /// Completes every pending event (all queued work has finished).
     pub fn complete_all(&self) {
-        self.state.lock().events.values_mut().for_each(|p| *p = false);
+        self.state
+            .lock()
+            .events
+            .values_mut()
+            .for_each(|p| *p = false);
     }
 
     /// Calls made so far, by kind.
@@ -122,7 +129,7 @@ impl SimDevice {
     }
 
     fn check_aligned(&self, what: &str, v: u64) -> DeviceResult<()> {
-        if v % self.granularity != 0 {
+        if !v.is_multiple_of(self.granularity) {
             return invalid(format!(
                 "{what} {v:#x} is not a multiple of the granularity {:#x}",
                 self.granularity
@@ -192,7 +199,9 @@ impl Device for SimDevice {
         let (size, alignment) = (size as u64, (alignment as u64).max(self.granularity));
         self.check_aligned("reservation size", size)?;
         if size == 0 || !alignment.is_power_of_two() {
-            return invalid(format!("reservation of {size} bytes aligned to {alignment}"));
+            return invalid(format!(
+                "reservation of {size} bytes aligned to {alignment}"
+            ));
         }
         let mut st = self.state.lock();
         st.calls.reserve_va += 1;
@@ -211,10 +220,14 @@ impl Device for SimDevice {
         let mut st = self.state.lock();
         st.calls.free_va += 1;
         if st.reservations.get(&addr) != Some(&(size as u64)) {
-            return invalid(format!("free of {size} bytes at {addr:#x}: not a reservation"));
+            return invalid(format!(
+                "free of {size} bytes at {addr:#x}: not a reservation"
+            ));
         }
         if st.mappings.range(addr..addr + size as u64).next().is_some() {
-            return invalid(format!("free of reservation {addr:#x} with mappings inside"));
+            return invalid(format!(
+                "free of reservation {addr:#x} with mappings inside"
+            ));
         }
         st.reservations.remove(&addr);
         Ok(())
@@ -237,7 +250,9 @@ impl Device for SimDevice {
             _ => {}
         }
         if st.reservation_containing(addr, size).is_none() {
-            return invalid(format!("map at {addr:#x}+{size:#x} outside any reservation"));
+            return invalid(format!(
+                "map at {addr:#x}+{size:#x} outside any reservation"
+            ));
         }
         let overlaps_before = st
             .mappings
@@ -265,7 +280,9 @@ impl Device for SimDevice {
                 }
                 Ok(())
             }
-            _ => invalid(format!("unmap of {size} bytes at {addr:#x}: not one mapping")),
+            _ => invalid(format!(
+                "unmap of {size} bytes at {addr:#x}: not one mapping"
+            )),
         }
     }
 
@@ -275,15 +292,23 @@ impl Device for SimDevice {
         st.calls.set_access += 1;
         // The range must be covered exactly by contiguous mappings.
         let mut cursor = addr;
-        let keys: Vec<u64> = st.mappings.range(addr..addr + size).map(|(&k, _)| k).collect();
+        let keys: Vec<u64> = st
+            .mappings
+            .range(addr..addr + size)
+            .map(|(&k, _)| k)
+            .collect();
         for k in &keys {
             if *k != cursor {
-                return invalid(format!("set_access at {addr:#x}+{size:#x}: hole at {cursor:#x}"));
+                return invalid(format!(
+                    "set_access at {addr:#x}+{size:#x}: hole at {cursor:#x}"
+                ));
             }
             cursor += st.mappings[k].0;
         }
         if cursor != addr + size || size == 0 {
-            return invalid(format!("set_access at {addr:#x}+{size:#x}: not fully mapped"));
+            return invalid(format!(
+                "set_access at {addr:#x}+{size:#x}: not fully mapped"
+            ));
         }
         for k in keys {
             if let Some(m) = st.mappings.get_mut(&k) {

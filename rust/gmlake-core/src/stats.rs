@@ -71,6 +71,21 @@ impl StatArray {
             self.0[kind as usize].decrease(n);
         }
     }
+    /// Moves `n` from one pool to the other; the aggregate is unchanged.
+    pub fn transfer(&mut self, from: PoolKind, to: PoolKind, n: i64) {
+        if from != to && n != 0 {
+            self.0[from as usize].decrease(n);
+            self.0[to as usize].increase(n);
+        }
+    }
+    /// Adds a signed delta.
+    pub fn adjust(&mut self, kind: PoolKind, delta: i64) {
+        if delta > 0 {
+            self.increase(kind, delta)
+        } else {
+            self.decrease(kind, -delta)
+        }
+    }
     fn for_each(&mut self, f: impl Fn(&mut Stat)) {
         self.0.iter_mut().for_each(f);
     }

@@ -1,0 +1,643 @@
+//! An arena: the virtual address space of one (stream, pool kind, graph pool), carved into
+//! blocks at 512-byte granularity and backed by physical pages mapped one page at a time.
+//!
+//! The arena is pure bookkeeping; the allocator makes the device calls it implies.
+//!
+//! Invariants (checked by `check` in tests):
+//! - I1 the blocks of a chunk partition it: sorted, adjacent, no gaps, no overlaps.
+//! - I2 a `Live` or `FreeMapped` block has every page it touches mapped (in `pages`).
+//! - I3 a `FreeUnmapped` or `Retired` block starts and ends on page boundaries and none of
+//!   its pages is in `pages` (a retired range is still mapped on the device, as an alias of
+//!   a page that was stitched elsewhere, until its event completes and it is unmapped).
+//! - I4 two adjacent free blocks of the same state never both exist (they are coalesced),
+//!   so a `FreeMapped` block's neighbours are live, retired, unmapped or a chunk edge, and
+//!   its pages that it does not share with a live neighbour ("interior" pages) can be taken.
+//! - I5 every free block is in exactly the indexes of its state; the counters equal sums
+//!   over the indexes.
+//!
+//! Consequently every maximal run of mapped blocks starts and ends on page boundaries.
+
+use crate::allocator::GraphPoolId;
+use crate::device::{PhysHandle, StreamId};
+use crate::stats::PoolKind;
+use std::collections::{BTreeMap, BTreeSet};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ArenaKey {
+    pub stream: StreamId,
+    pub kind: PoolKind,
+    pub graph_pool: GraphPoolId,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockState {
+    Live,
+    /// Free, every page mapped; `freed` orders frees (for LRU and stream fences).
+    FreeMapped {
+        freed: u64,
+    },
+    /// Free, no page mapped; `ext` is its size plus the size of the `FreeMapped` block right
+    /// before it, i.e. the largest request that can be placed here (starting at that block,
+    /// whose pages are reused).
+    FreeUnmapped {
+        ext: u64,
+    },
+    /// Pages given to a stitch elsewhere; still mapped here until their event completes.
+    Retired,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Block {
+    pub size: u64,
+    pub state: BlockState,
+    pub chunk: u32,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Page {
+    pub handle: PhysHandle,
+    /// The page came here through a stitch (taken from another block).
+    pub stitched: bool,
+}
+
+/// Where a request that no free mapped block fits will go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Placement {
+    pub start: u64,
+    /// Free mapped blocks the placement covers: no page may be taken from them while it is
+    /// pending.
+    pub neighbours: [Option<u64>; 2],
+    /// First page to map and number of pages (contiguous, page aligned).
+    pub map_start: u64,
+    pub map_pages: u64,
+}
+
+pub(crate) struct Arena {
+    pub key: ArenaKey,
+    page: u64,
+    track_age: bool,
+    /// (start, size) per chunk id; a freed chunk becomes (0, 0).
+    chunks: Vec<(u64, u64)>,
+    blocks: BTreeMap<u64, Block>,
+    /// FreeMapped blocks by (size, addr): the hit path.
+    free_mapped: BTreeSet<(u64, u64)>,
+    /// FreeMapped blocks with interior pages, by (interior pages, addr).
+    stealable: BTreeSet<(u64, u64)>,
+    /// FreeMapped blocks with interior pages, by (freed, addr); kept only for LRU stitching.
+    by_age: BTreeSet<(u64, u64)>,
+    /// FreeUnmapped blocks by (ext, addr).
+    unmapped: BTreeSet<(u64, u64)>,
+    pub pages: BTreeMap<u64, Page>,
+    pub free_mapped_bytes: u64,
+    pub free_mapped_count: u64,
+    pub stealable_pages: u64,
+    pub live_blocks: u64,
+    pub retired_blocks: u64,
+    /// The `freed` stamp of the most recent free in this arena.
+    pub last_free: u64,
+}
+
+impl Arena {
+    pub fn new(key: ArenaKey, page: u64, track_age: bool) -> Arena {
+        Arena {
+            key,
+            page,
+            track_age,
+            chunks: Vec::new(),
+            blocks: BTreeMap::new(),
+            free_mapped: BTreeSet::new(),
+            stealable: BTreeSet::new(),
+            by_age: BTreeSet::new(),
+            unmapped: BTreeSet::new(),
+            pages: BTreeMap::new(),
+            free_mapped_bytes: 0,
+            free_mapped_count: 0,
+            stealable_pages: 0,
+            live_blocks: 0,
+            retired_blocks: 0,
+            last_free: 0,
+        }
+    }
+
+    fn floor(&self, a: u64) -> u64 {
+        a & !(self.page - 1)
+    }
+
+    fn ceil(&self, a: u64) -> u64 {
+        (a + self.page - 1) & !(self.page - 1)
+    }
+
+    /// Whole pages of [addr, addr+size): (first page address, count).
+    pub fn interior(&self, addr: u64, size: u64) -> (u64, u64) {
+        let first = self.ceil(addr);
+        let last = self.floor(addr + size);
+        (
+            first,
+            if last > first {
+                (last - first) / self.page
+            } else {
+                0
+            },
+        )
+    }
+
+    fn index_insert(&mut self, addr: u64, b: &Block) {
+        match b.state {
+            BlockState::Live => self.live_blocks += 1,
+            BlockState::Retired => self.retired_blocks += 1,
+            BlockState::FreeUnmapped { ext } => {
+                self.unmapped.insert((ext, addr));
+            }
+            BlockState::FreeMapped { freed } => {
+                self.free_mapped.insert((b.size, addr));
+                self.free_mapped_bytes += b.size;
+                self.free_mapped_count += 1;
+                let (_, n) = self.interior(addr, b.size);
+                if n > 0 {
+                    self.stealable.insert((n, addr));
+                    self.stealable_pages += n;
+                    if self.track_age {
+                        self.by_age.insert((freed, addr));
+                    }
+                }
+            }
+        }
+    }
+
+    fn index_remove(&mut self, addr: u64, b: &Block) {
+        match b.state {
+            BlockState::Live => self.live_blocks -= 1,
+            BlockState::Retired => self.retired_blocks -= 1,
+            BlockState::FreeUnmapped { ext } => {
+                self.unmapped.remove(&(ext, addr));
+            }
+            BlockState::FreeMapped { freed } => {
+                self.free_mapped.remove(&(b.size, addr));
+                self.free_mapped_bytes -= b.size;
+                self.free_mapped_count -= 1;
+                let (_, n) = self.interior(addr, b.size);
+                if n > 0 {
+                    self.stealable.remove(&(n, addr));
+                    self.stealable_pages -= n;
+                    if self.track_age {
+                        self.by_age.remove(&(freed, addr));
+                    }
+                }
+            }
+        }
+    }
+
+    fn put(&mut self, addr: u64, b: Block) {
+        self.index_insert(addr, &b);
+        self.blocks.insert(addr, b);
+    }
+
+    fn take(&mut self, addr: u64) -> Option<Block> {
+        let b = self.blocks.remove(&addr)?;
+        self.index_remove(addr, &b);
+        Some(b)
+    }
+
+    pub fn block(&self, addr: u64) -> Option<&Block> {
+        self.blocks.get(&addr)
+    }
+
+    /// The block ending at `addr` in the same chunk.
+    fn prev_of(&self, addr: u64, chunk: u32) -> Option<(u64, Block)> {
+        let (&a, &b) = self.blocks.range(..addr).next_back()?;
+        (a + b.size == addr && b.chunk == chunk).then_some((a, b))
+    }
+
+    fn next_of(&self, end: u64, chunk: u32) -> Option<Block> {
+        self.blocks.get(&end).filter(|b| b.chunk == chunk).copied()
+    }
+
+    fn ext_of(&self, addr: u64, size: u64, chunk: u32) -> u64 {
+        size + self.free_mapped_before(addr, chunk).map_or(0, |b| b.1)
+    }
+
+    fn free_mapped_before(&self, addr: u64, chunk: u32) -> Option<(u64, u64)> {
+        self.prev_of(addr, chunk)
+            .filter(|(_, p)| matches!(p.state, BlockState::FreeMapped { .. }))
+            .map(|(a, p)| (a, p.size))
+    }
+
+    /// Recomputes the `ext` of the unmapped blocks among the blocks touching [lo, hi) and
+    /// their neighbours, after free mapped blocks there changed.
+    fn refresh_span(&mut self, lo: u64, hi: u64) {
+        let at = self.blocks.range(..=lo).next_back().map_or(lo, |(&a, _)| a);
+        let first = self.blocks.range(..at).next_back().map_or(at, |(&a, _)| a);
+        let mut keys = Vec::with_capacity(8);
+        for (&a, _) in self.blocks.range(first..) {
+            keys.push(a);
+            if a > hi {
+                break;
+            }
+        }
+        for a in keys {
+            self.refresh_ext(a);
+        }
+    }
+
+    /// Recomputes the `ext` of an unmapped block at `addr` after its predecessor changed.
+    fn refresh_ext(&mut self, addr: u64) {
+        let Some(b) = self.blocks.get(&addr).copied() else {
+            return;
+        };
+        if let BlockState::FreeUnmapped { ext } = b.state {
+            let new = self.ext_of(addr, b.size, b.chunk);
+            if new != ext {
+                self.take(addr);
+                self.put(
+                    addr,
+                    Block {
+                        state: BlockState::FreeUnmapped { ext: new },
+                        ..b
+                    },
+                );
+            }
+        }
+    }
+
+    fn insert_free_mapped(&mut self, mut addr: u64, mut size: u64, mut freed: u64, chunk: u32) {
+        if let Some((pa, p)) = self.prev_of(addr, chunk) {
+            if let BlockState::FreeMapped { freed: f } = p.state {
+                self.take(pa);
+                addr = pa;
+                size += p.size;
+                freed = freed.max(f);
+            }
+        }
+        if let Some(n) = self.next_of(addr + size, chunk) {
+            if let BlockState::FreeMapped { freed: f } = n.state {
+                self.take(addr + size);
+                size += n.size;
+                freed = freed.max(f);
+            }
+        }
+        self.put(
+            addr,
+            Block {
+                size,
+                state: BlockState::FreeMapped { freed },
+                chunk,
+            },
+        );
+    }
+
+    fn insert_free_unmapped(&mut self, mut addr: u64, mut size: u64, chunk: u32) {
+        if let Some((pa, p)) = self.prev_of(addr, chunk) {
+            if matches!(p.state, BlockState::FreeUnmapped { .. }) {
+                self.take(pa);
+                addr = pa;
+                size += p.size;
+            }
+        }
+        if let Some(n) = self.next_of(addr + size, chunk) {
+            if matches!(n.state, BlockState::FreeUnmapped { .. }) {
+                self.take(addr + size);
+                size += n.size;
+            }
+        }
+        let ext = self.ext_of(addr, size, chunk);
+        self.put(
+            addr,
+            Block {
+                size,
+                state: BlockState::FreeUnmapped { ext },
+                chunk,
+            },
+        );
+    }
+
+    /// Adds a reserved range of virtual addresses (page aligned) to the arena.
+    pub fn add_chunk(&mut self, start: u64, size: u64) {
+        let id = self.chunks.len() as u32;
+        self.chunks.push((start, size));
+        self.insert_free_unmapped(start, size, id);
+    }
+
+    /// Chunks whose whole range is free and unmapped: removed from the arena and returned,
+    /// for the caller to free on the device.
+    pub fn drain_empty_chunks(&mut self) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for id in 0..self.chunks.len() {
+            let (start, size) = self.chunks[id];
+            if size == 0 {
+                continue;
+            }
+            let empty = matches!(self.blocks.get(&start),
+                Some(b) if b.size == size && matches!(b.state, BlockState::FreeUnmapped { .. }));
+            if empty {
+                self.take(start);
+                self.chunks[id] = (0, 0);
+                out.push((start, size));
+            }
+        }
+        out
+    }
+
+    /// The best-fitting free mapped block for `size` bytes (no driver call needed).
+    pub fn find_hit(&self, size: u64, reuse_limit: f64) -> Option<u64> {
+        let &(bsize, addr) = self.free_mapped.range((size, 0)..).next()?;
+        (reuse_limit.is_infinite() || bsize as f64 <= size as f64 * reuse_limit).then_some(addr)
+    }
+
+    /// Where `size` bytes go when no free mapped block fits: the unmapped block that, with
+    /// the free mapped block before it, fits best; placed at the start of that free mapped
+    /// block, so its pages are reused and allocations stay packed.
+    pub fn find_placement(&self, size: u64) -> Option<Placement> {
+        let &(_, uaddr) = self.unmapped.range((size, 0)..).next()?;
+        let u = self.blocks[&uaddr];
+        let before = self.free_mapped_before(uaddr, u.chunk);
+        let start = before.map_or(uaddr, |b| b.0);
+        let end = (start + size).min(uaddr + u.size);
+        let map_pages = if end > uaddr {
+            (self.ceil(end) - uaddr) / self.page
+        } else {
+            0
+        };
+        Some(Placement {
+            start,
+            neighbours: [before.map(|b| b.0), None],
+            map_start: uaddr,
+            map_pages,
+        })
+    }
+
+    /// Marks [start, start+size) live. The range must lie in free blocks (a hit, or a
+    /// placement). Pages of unmapped blocks that it touches must be mapped by the caller
+    /// (`find_placement` says which).
+    pub fn carve(&mut self, start: u64, size: u64, now: u64) {
+        let end = start + size;
+        let (mut addr, mut b) = match self.blocks.range(..=start).next_back() {
+            Some((&a, &b)) => (a, b),
+            None => return,
+        };
+        let first = addr;
+        self.take(addr);
+        let chunk = b.chunk;
+        self.put(
+            start,
+            Block {
+                size,
+                state: BlockState::Live,
+                chunk,
+            },
+        );
+        if start > addr {
+            match b.state {
+                BlockState::FreeMapped { freed } => {
+                    self.insert_free_mapped(addr, start - addr, freed, chunk)
+                }
+                _ => {
+                    let pf = self.floor(start).max(addr);
+                    if pf > addr {
+                        self.insert_free_unmapped(addr, pf - addr, chunk);
+                    }
+                    if start > pf {
+                        self.insert_free_mapped(pf, start - pf, now, chunk);
+                    }
+                }
+            }
+        }
+        loop {
+            let bend = addr + b.size;
+            if bend >= end {
+                if bend > end {
+                    match b.state {
+                        BlockState::FreeMapped { freed } => {
+                            self.insert_free_mapped(end, bend - end, freed, chunk)
+                        }
+                        _ => {
+                            let pe = self.ceil(end).min(bend);
+                            if pe > end {
+                                self.insert_free_mapped(end, pe - end, now, chunk);
+                            }
+                            if bend > pe {
+                                self.insert_free_unmapped(pe, bend - pe, chunk);
+                            }
+                        }
+                    }
+                }
+                self.refresh_span(first, bend);
+                break;
+            }
+            addr = bend;
+            b = self.take(addr).expect("carve covers adjacent blocks");
+        }
+    }
+
+    /// Frees a live block; returns its size.
+    pub fn release(&mut self, addr: u64, now: u64) -> Option<u64> {
+        let b = *self.blocks.get(&addr)?;
+        if b.state != BlockState::Live {
+            return None;
+        }
+        self.take(addr);
+        self.insert_free_mapped(addr, b.size, now, b.chunk);
+        self.refresh_span(addr, addr + b.size);
+        self.last_free = now;
+        Some(b.size)
+    }
+
+    /// Takes up to `max_pages` interior pages from the top of the free mapped block at
+    /// `addr`. With `retire` the taken range becomes `Retired` (still mapped on the device
+    /// until the caller unmaps it and calls `unretire`); otherwise it becomes unmapped free
+    /// space at once and the caller must unmap it before releasing the lock.
+    /// Returns the first taken page address and the pages' handles in address order.
+    pub fn take_pages(
+        &mut self,
+        addr: u64,
+        max_pages: u64,
+        retire: bool,
+    ) -> (u64, Vec<PhysHandle>) {
+        let Some(b) = self.blocks.get(&addr).copied() else {
+            return (0, Vec::new());
+        };
+        let BlockState::FreeMapped { freed } = b.state else {
+            return (0, Vec::new());
+        };
+        let (first, n) = self.interior(addr, b.size);
+        let k = n.min(max_pages);
+        if k == 0 {
+            return (0, Vec::new());
+        }
+        let s_end = first + n * self.page;
+        let s_start = s_end - k * self.page;
+        self.take(addr);
+        if s_start > addr {
+            self.insert_free_mapped(addr, s_start - addr, freed, b.chunk);
+        }
+        let bend = addr + b.size;
+        if bend > s_end {
+            self.insert_free_mapped(s_end, bend - s_end, freed, b.chunk);
+        }
+        if retire {
+            self.put(
+                s_start,
+                Block {
+                    size: s_end - s_start,
+                    state: BlockState::Retired,
+                    chunk: b.chunk,
+                },
+            );
+        } else {
+            self.insert_free_unmapped(s_start, s_end - s_start, b.chunk);
+        }
+        self.refresh_span(addr, bend);
+        let handles = (0..k)
+            .filter_map(|i| self.pages.remove(&(s_start + i * self.page)))
+            .map(|p| p.handle)
+            .collect();
+        (s_start, handles)
+    }
+
+    /// A retired range has been unmapped: it becomes free unmapped space.
+    pub fn unretire(&mut self, addr: u64) {
+        if let Some(b) = self.blocks.get(&addr).copied() {
+            if b.state == BlockState::Retired {
+                self.take(addr);
+                self.insert_free_unmapped(addr, b.size, b.chunk);
+                self.refresh_span(addr, addr + b.size);
+            }
+        }
+    }
+
+    /// Candidate blocks to take pages from, in the order a strategy wants them.
+    /// Smallest block with at least `pages` interior pages.
+    pub fn smallest_with(&self, pages: u64) -> Option<(u64, u64)> {
+        self.stealable.range((pages, 0)..).next().copied()
+    }
+
+    /// Block with the most interior pages.
+    pub fn largest(&self) -> Option<(u64, u64)> {
+        self.stealable.iter().next_back().copied()
+    }
+
+    /// The next block below (pages, addr) in interior-page order.
+    pub fn largest_below(&self, pages: u64, addr: u64) -> Option<(u64, u64)> {
+        self.stealable.range(..(pages, addr)).next_back().copied()
+    }
+
+    /// Least recently freed block with interior pages: (freed, addr).
+    pub fn oldest(&self) -> Option<(u64, u64)> {
+        self.by_age.iter().next().copied()
+    }
+
+    /// Whether LRU order is tracked.
+    pub fn tracks_age(&self) -> bool {
+        self.track_age
+    }
+
+    pub fn largest_free_mapped(&self) -> u64 {
+        self.free_mapped.iter().next_back().map_or(0, |e| e.0)
+    }
+
+    /// The live block containing `ptr`: (base, size).
+    pub fn live_containing(&self, ptr: u64) -> Option<(u64, u64)> {
+        let (&a, b) = self.blocks.range(..=ptr).next_back()?;
+        (b.state == BlockState::Live && ptr < a + b.size).then_some((a, b.size))
+    }
+
+    pub fn blocks(&self) -> impl Iterator<Item = (u64, &Block)> + '_ {
+        self.blocks.iter().map(|(&a, b)| (a, b))
+    }
+
+    /// Verifies the invariants above; returns a description of the first violation.
+    pub fn check(&self) -> Result<(), String> {
+        let mut fm = (0u64, 0u64, 0u64);
+        for (id, &(start, size)) in self.chunks.iter().enumerate() {
+            if size == 0 {
+                continue;
+            }
+            let mut cursor = start;
+            let mut prev_state: Option<BlockState> = None;
+            for (&a, b) in self.blocks.range(start..start + size) {
+                if a != cursor || b.chunk as usize != id {
+                    return Err(format!(
+                        "I1: gap or overlap at {a:#x} (expected {cursor:#x})"
+                    ));
+                }
+                cursor = a + b.size;
+                let (lo, hi) = (self.floor(a), self.ceil(a + b.size));
+                let mapped = |p: u64| self.pages.contains_key(&p);
+                match b.state {
+                    BlockState::Live | BlockState::FreeMapped { .. } => {
+                        let mut p = lo;
+                        while p < hi {
+                            if !mapped(p) {
+                                return Err(format!("I2: page {p:#x} of block {a:#x} unmapped"));
+                            }
+                            p += self.page;
+                        }
+                    }
+                    BlockState::FreeUnmapped { .. } | BlockState::Retired => {
+                        if a % self.page != 0 || b.size % self.page != 0 {
+                            return Err(format!("I3: unaligned unmapped block {a:#x}"));
+                        }
+                        if self.pages.range(a..a + b.size).next().is_some() {
+                            return Err(format!("I3: unmapped block {a:#x} has pages"));
+                        }
+                    }
+                }
+                let same = |x: Option<BlockState>, y: BlockState| {
+                    matches!(
+                        (x, y),
+                        (
+                            Some(BlockState::FreeMapped { .. }),
+                            BlockState::FreeMapped { .. }
+                        ) | (
+                            Some(BlockState::FreeUnmapped { .. }),
+                            BlockState::FreeUnmapped { .. }
+                        )
+                    )
+                };
+                if same(prev_state, b.state) {
+                    return Err(format!("I4: uncoalesced free blocks at {a:#x}"));
+                }
+                match b.state {
+                    BlockState::FreeMapped { .. } => {
+                        if !self.free_mapped.contains(&(b.size, a)) {
+                            return Err(format!("I5: {a:#x} missing from free_mapped"));
+                        }
+                        fm.0 += 1;
+                        fm.1 += b.size;
+                        fm.2 += self.interior(a, b.size).1;
+                    }
+                    BlockState::FreeUnmapped { ext } => {
+                        if ext != self.ext_of(a, b.size, b.chunk) {
+                            return Err(format!("I5: stale ext at {a:#x}"));
+                        }
+                        if !self.unmapped.contains(&(ext, a)) {
+                            return Err(format!("I5: {a:#x} missing from unmapped"));
+                        }
+                    }
+                    _ => {}
+                }
+                prev_state = Some(b.state);
+            }
+            if cursor != start + size {
+                return Err(format!("I1: chunk {start:#x} not fully covered"));
+            }
+        }
+        if fm
+            != (
+                self.free_mapped_count,
+                self.free_mapped_bytes,
+                self.stealable_pages,
+            )
+            || self.free_mapped.len() as u64 != fm.0
+        {
+            return Err(format!(
+                "I5: counters {:?} != recount {fm:?}",
+                (
+                    self.free_mapped_count,
+                    self.free_mapped_bytes,
+                    self.stealable_pages
+                )
+            ));
+        }
+        Ok(())
+    }
+}

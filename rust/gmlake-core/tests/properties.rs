@@ -1,0 +1,162 @@
+//! Property tests: random alloc / free / record_stream / empty_cache / event completion
+//! sequences on a small asynchronous simulated device, checking after every step that
+//! - no two live allocations overlap in virtual memory,
+//! - no physical byte backs two live allocations, and every live byte is mapped,
+//! - the arenas' invariants hold and the statistics equal a recount;
+//!
+//! and at the end, after freeing everything and empty_cache, that the device holds no
+//! physical memory, no mapping and no reservation.
+//!
+//! `GMLAKE_PROPTEST_CASES` sets the number of sequences (CI: 10,000).
+
+use gmlake_core::{Allocator, Config, Error, PhysHandle, SimDevice, StitchStrategy};
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+const PAGE: u64 = 2 << 20;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { size: u64, stream: u64 },
+    Free(usize),
+    RecordStream(usize, u64),
+    EmptyCache,
+    Complete,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        // Small, medium and page-spanning sizes, not multiples of 512 to test rounding.
+        4 => (1u64..(1 << 20), 0u64..2).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        4 => ((1u64 << 20)..(24 << 20), 0u64..2).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        1 => ((24u64 << 20)..(80 << 20), 0u64..2).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        6 => any::<usize>().prop_map(Op::Free),
+        1 => (any::<usize>(), 0u64..3).prop_map(|(i, s)| Op::RecordStream(i, s)),
+        1 => Just(Op::EmptyCache),
+        2 => Just(Op::Complete),
+    ]
+}
+
+fn config() -> impl Strategy<Value = Config> {
+    (0u32..3, 0usize..3, prop::bool::ANY).prop_map(|(level, strategy, small_frag)| Config {
+        defrag_level: level,
+        stitch_strategy: [
+            StitchStrategy::BestFit,
+            StitchStrategy::LargestFirst,
+            StitchStrategy::Lru,
+        ][strategy],
+        frag_limit: if small_frag { 4 << 20 } else { 0 },
+        ..Config::default()
+    })
+}
+
+/// Checks overlap, aliasing and mapping of the live allocations.
+fn check_live(dev: &SimDevice, live: &[(u64, u64)]) -> Result<(), String> {
+    let mut by_va: Vec<(u64, u64)> = live.to_vec();
+    by_va.sort();
+    for w in by_va.windows(2) {
+        if w[0].0 + w[0].1 > w[1].0 {
+            return Err(format!(
+                "allocations {:#x} and {:#x} overlap",
+                w[0].0, w[1].0
+            ));
+        }
+    }
+    // Physical intervals (handle, start offset) -> end offset, per live allocation.
+    let mut phys: BTreeMap<(PhysHandle, u64), u64> = BTreeMap::new();
+    for &(ptr, size) in live {
+        let mut va = ptr;
+        let end = ptr + size;
+        while va < end {
+            let (h, off) = dev
+                .translate(va)
+                .ok_or_else(|| format!("byte {va:#x} of allocation {ptr:#x} is not mapped"))?;
+            let chunk = (PAGE - off).min(end - va);
+            if phys.insert((h, off), off + chunk).is_some() {
+                return Err(format!("physical {h:?}+{off:#x} backs two allocations"));
+            }
+            va += chunk;
+        }
+    }
+    let mut prev: Option<((PhysHandle, u64), u64)> = None;
+    for (&k, &e) in &phys {
+        if let Some((pk, pe)) = prev {
+            if pk.0 == k.0 && pe > k.1 {
+                return Err(format!("physical {:?} bytes {:#x} shared", k.0, k.1));
+            }
+        }
+        prev = Some((k, e));
+    }
+    Ok(())
+}
+
+fn run(config: Config, ops: Vec<Op>) -> Result<(), TestCaseError> {
+    let dev = Arc::new(SimDevice::new(48 * PAGE).asynchronous());
+    let a = Allocator::new(dev.clone(), config).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut live: Vec<(u64, u64)> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Alloc { size, stream } => match a.allocate(size, stream) {
+                Ok(p) => {
+                    prop_assert!(p != 0 && p % 512 == 0);
+                    live.push((p, size));
+                }
+                Err(Error::OutOfMemory(info)) => {
+                    prop_assert_eq!(info.requested, size);
+                }
+                Err(e) => return Err(TestCaseError::fail(format!("alloc failed: {e}"))),
+            },
+            Op::Free(i) if !live.is_empty() => {
+                let (p, _) = live.swap_remove(i % live.len());
+                a.free(p).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert!(matches!(a.free(p), Err(Error::DoubleFree(_))));
+            }
+            Op::RecordStream(i, s) if !live.is_empty() => {
+                a.record_stream(live[i % live.len()].0, s)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            Op::EmptyCache => a
+                .empty_cache()
+                .map_err(|e| TestCaseError::fail(e.to_string()))?,
+            Op::Complete => dev.complete_all(),
+            _ => {}
+        }
+        a.verify().map_err(TestCaseError::fail)?;
+        check_live(&dev, &live).map_err(TestCaseError::fail)?;
+        prop_assert!(dev.physical_bytes() <= 48 * PAGE);
+    }
+    for (p, _) in live.drain(..) {
+        a.free(p).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
+    a.empty_cache()
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    a.verify().map_err(TestCaseError::fail)?;
+    prop_assert_eq!(dev.physical_bytes(), 0);
+    prop_assert_eq!(dev.live_mappings(), 0);
+    prop_assert_eq!(dev.live_reservations(), 0);
+    let s = a.stats();
+    prop_assert_eq!(s.reserved_bytes.aggregate().current, 0);
+    prop_assert_eq!(s.allocated_bytes.aggregate().current, 0);
+    prop_assert_eq!(s.active.aggregate().current, 0);
+    Ok(())
+}
+
+fn cases() -> u32 {
+    std::env::var("GMLAKE_PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(500)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_sequences_keep_every_invariant(
+        config in config(),
+        ops in prop::collection::vec(op(), 1..80),
+    ) {
+        run(config, ops)?;
+    }
+}
