@@ -625,6 +625,10 @@ impl State {
                 }
             }
         }
+        // Declaring OOM: pages created on the way go back to the device.
+        for h in std::mem::take(&mut self.spare) {
+            self.release_page(dev, h)?;
+        }
         self.stats.num_ooms += 1;
         let stream = self.arenas[aid as usize].key.stream;
         let device_free = dev.free_memory().unwrap_or(0) as u64;
@@ -688,6 +692,19 @@ impl State {
             0
         };
         let mut steal = need.min(avail);
+        // Do not create pages for a request the limit cannot satisfy anyway.
+        if let Some(limit) = self.limit {
+            let creatable = (limit / self.page).saturating_sub(self.physical_pages);
+            let later = if stitch && !steal_first {
+                self.stealable_for(dev, aid, need, exclude)?
+            } else {
+                0
+            };
+            if steal + creatable + later < need {
+                self.spare.extend(out.into_iter().map(|p| p.0));
+                return Ok(None);
+            }
+        }
         let created = match self.create_pages(dev, need - steal) {
             Ok(c) => c,
             Err(e) => {

@@ -1,0 +1,535 @@
+//! Behaviour of the allocator on the simulated device: stitching, errors, streams, graph
+//! pools, statistics, configuration, threads.
+
+use gmlake_core::{
+    Allocator, BlockState, Config, Error, GraphPoolId, SimDevice, StitchStrategy, TraceAction,
+};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+const PAGE: u64 = 2 * MIB;
+
+fn setup(capacity: u64, config: Config) -> (Arc<SimDevice>, Allocator<Arc<SimDevice>>) {
+    let dev = Arc::new(SimDevice::new(capacity));
+    let a = Allocator::new(dev.clone(), config).unwrap();
+    (dev, a)
+}
+
+fn setup_async(capacity: u64, config: Config) -> (Arc<SimDevice>, Allocator<Arc<SimDevice>>) {
+    let dev = Arc::new(SimDevice::new(capacity).asynchronous());
+    let a = Allocator::new(dev.clone(), config).unwrap();
+    (dev, a)
+}
+
+/// Ten 10 MiB blocks with every other one freed: 50 MiB free in five pieces, none of 20 MiB.
+fn checkerboard(a: &Allocator<Arc<SimDevice>>, stream: u64) -> Vec<u64> {
+    let ptrs: Vec<u64> = (0..10)
+        .map(|_| a.allocate(10 * MIB, stream).unwrap())
+        .collect();
+    for p in ptrs.iter().step_by(2) {
+        a.free(*p).unwrap();
+    }
+    ptrs.into_iter().skip(1).step_by(2).collect()
+}
+
+#[test]
+fn stitching_reuses_free_pages_instead_of_new_memory() {
+    let (dev, a) = setup(1 << 30, Config::default());
+    let _live = checkerboard(&a, 0);
+    let before = dev.physical_bytes();
+    let big = a.allocate(40 * MIB, 0).unwrap();
+    assert_eq!(dev.physical_bytes(), before, "no new physical memory");
+    let s = a.stats();
+    assert!(s.stitches >= 1 && s.pages_stitched >= 15, "{s:?}");
+    // The stitched range is fully mapped and usable.
+    for off in (0..40 * MIB).step_by(PAGE as usize) {
+        assert!(dev.translate(big + off).is_some());
+    }
+    let snap = a.snapshot();
+    let blk = snap
+        .segments
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .find(|b| b.address == big)
+        .unwrap();
+    assert!(blk.stitched && blk.state == BlockState::ActiveAllocated);
+    a.verify().unwrap();
+}
+
+#[test]
+fn vmm_defragment_off_never_stitches() {
+    let cfg = Config {
+        vmm_defragment: false,
+        ..Config::default()
+    };
+    let (dev, a) = setup(1 << 30, cfg);
+    let _live = checkerboard(&a, 0);
+    let before = dev.physical_bytes();
+    a.allocate(40 * MIB, 0).unwrap();
+    assert_eq!(a.stats().stitches, 0);
+    assert_eq!(dev.physical_bytes(), before + 40 * MIB);
+}
+
+#[test]
+fn defrag_level_one_creates_first_and_stitches_at_the_limit() {
+    let cfg = Config {
+        defrag_level: 1,
+        ..Config::default()
+    };
+    let (dev, a) = setup(110 * MIB, cfg);
+    let _live = checkerboard(&a, 0);
+    // 100 MiB held, 10 left on the device: creating fails, then it stitches.
+    a.allocate(40 * MIB, 0).unwrap();
+    assert!(a.stats().stitches >= 1);
+    assert!(dev.physical_bytes() <= 110 * MIB);
+    a.verify().unwrap();
+}
+
+#[test]
+fn frag_limit_keeps_small_requests_from_stitching() {
+    let cfg = Config {
+        frag_limit: 64 * MIB,
+        ..Config::default()
+    };
+    let (_dev, a) = setup(1 << 30, cfg);
+    let _live = checkerboard(&a, 0);
+    a.allocate(40 * MIB, 0).unwrap();
+    assert_eq!(a.stats().stitches, 0);
+}
+
+#[test]
+fn strategies_choose_different_pieces() {
+    // Free blocks of 4, 8 and 16 MiB between live ones; a 6 MiB shortfall.
+    let run = |strategy| {
+        let cfg = Config {
+            stitch_strategy: strategy,
+            ..Config::default()
+        };
+        let (_dev, a) = setup(1 << 30, cfg);
+        let sizes = [4 * MIB, 8 * MIB, 16 * MIB];
+        let mut free = Vec::new();
+        for s in sizes {
+            free.push(a.allocate(s, 0).unwrap());
+            a.allocate(PAGE, 0).unwrap();
+        }
+        for p in free {
+            a.free(p).unwrap();
+        }
+        a.allocate(30 * MIB, 0).unwrap();
+        a.stats().pages_stitched
+    };
+    // Every strategy stitches all it needs; each must leave the allocator consistent.
+    for s in [
+        StitchStrategy::BestFit,
+        StitchStrategy::LargestFirst,
+        StitchStrategy::Lru,
+    ] {
+        assert!(run(s) > 0, "{s:?}");
+    }
+}
+
+#[test]
+fn cache_hits_make_no_driver_call() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    for size in [512, 4096, MIB, 3 * MIB, 64 * MIB] {
+        let p = a.allocate(size, 0).unwrap();
+        a.free(p).unwrap();
+        let before = a.stats().driver_calls.total();
+        for _ in 0..100 {
+            let q = a.allocate(size, 0).unwrap();
+            assert_eq!(q, p, "same block again");
+            a.free(q).unwrap();
+        }
+        assert_eq!(a.stats().driver_calls.total(), before, "size {size}");
+    }
+}
+
+#[test]
+fn zero_bytes_is_null_and_free_of_null_is_a_no_op() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    assert_eq!(a.allocate(0, 0).unwrap(), 0);
+    a.free(0).unwrap();
+    assert_eq!(a.stats().allocation.aggregate().current, 0);
+}
+
+#[test]
+fn out_of_memory_reports_figures_and_leaves_the_allocator_usable() {
+    let (_dev, a) = setup(64 * MIB, Config::default());
+    let p = a.allocate(60 * MIB, 0).unwrap();
+    match a.allocate(10 * MIB, 0) {
+        Err(Error::OutOfMemory(info)) => {
+            assert_eq!(info.requested, 10 * MIB);
+            assert_eq!(info.reserved, 60 * MIB);
+            assert_eq!(info.device_total, 64 * MIB);
+            let msg = Error::OutOfMemory(info).to_string();
+            assert!(msg.contains("Tried to allocate 10.00 MiB"), "{msg}");
+        }
+        other => panic!("expected OOM, got {other:?}"),
+    }
+    assert_eq!(a.stats().num_ooms, 1);
+    assert!(a.stats().num_alloc_retries >= 1);
+    a.free(p).unwrap();
+    let q = a.allocate(62 * MIB, 0).unwrap();
+    assert_ne!(q, 0);
+    a.verify().unwrap();
+}
+
+#[test]
+fn memory_fraction_and_limit_cap_reserved_memory() {
+    let (dev, a) = setup(1 << 30, Config::default());
+    a.set_memory_fraction(0.25).unwrap();
+    assert!(matches!(
+        a.allocate(300 * MIB, 0),
+        Err(Error::OutOfMemory(_))
+    ));
+    assert_eq!(
+        dev.physical_bytes(),
+        0,
+        "nothing kept after a failed request"
+    );
+    a.allocate(200 * MIB, 0).unwrap();
+    a.set_limit(Some(100 * MIB));
+    assert_eq!(a.limit(), Some(100 * MIB));
+    assert!(a.set_memory_fraction(1.5).is_err());
+    assert!(a.set_memory_fraction(0.0).is_err());
+}
+
+#[test]
+fn double_free_unknown_pointer_and_size_overflow_are_errors() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    let p = a.allocate(MIB, 0).unwrap();
+    a.free(p).unwrap();
+    assert_eq!(a.free(p), Err(Error::DoubleFree(p)));
+    assert_eq!(a.free(0x1000), Err(Error::UnknownPointer(0x1000)));
+    let q = a.allocate(4 * MIB, 0).unwrap();
+    assert_eq!(
+        a.free(q + 512),
+        Err(Error::UnknownPointer(q + 512)),
+        "interior pointer"
+    );
+    assert_eq!(
+        a.record_stream(0x1000, 1),
+        Err(Error::UnknownPointer(0x1000))
+    );
+    assert_eq!(a.allocate(u64::MAX, 0), Err(Error::SizeOverflow(u64::MAX)));
+    assert!(a.release_pool(GraphPoolId::DEFAULT).is_err());
+    a.verify().unwrap();
+}
+
+#[test]
+fn invalid_page_size_names_the_key() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let cfg = Config {
+        page_size: MIB,
+        ..Config::default()
+    };
+    match Allocator::new(dev, cfg) {
+        Err(Error::InvalidConfig { key, .. }) => assert_eq!(key, "page_size"),
+        _ => panic!("expected InvalidConfig"),
+    }
+}
+
+#[test]
+fn device_failure_is_an_error_not_a_panic() {
+    // A device that refuses everything.
+    struct Broken;
+    impl gmlake_core::Device for Broken {
+        fn granularity(&self) -> gmlake_core::DeviceResult<usize> {
+            Ok(PAGE as usize)
+        }
+        fn total_memory(&self) -> gmlake_core::DeviceResult<usize> {
+            Ok(1 << 30)
+        }
+        fn free_memory(&self) -> gmlake_core::DeviceResult<usize> {
+            Ok(1 << 30)
+        }
+        fn create_physical(&self, _: usize) -> gmlake_core::DeviceResult<gmlake_core::PhysHandle> {
+            Err(gmlake_core::DeviceError::Driver {
+                call: "cuMemCreate",
+                code: 999,
+                message: "broken".into(),
+            })
+        }
+        fn release_physical(&self, _: gmlake_core::PhysHandle) -> gmlake_core::DeviceResult<()> {
+            Ok(())
+        }
+        fn reserve_va(&self, _: usize, _: usize) -> gmlake_core::DeviceResult<u64> {
+            Ok(1 << 40)
+        }
+        fn free_va(&self, _: u64, _: usize) -> gmlake_core::DeviceResult<()> {
+            Ok(())
+        }
+        fn map(
+            &self,
+            _: u64,
+            _: usize,
+            _: gmlake_core::PhysHandle,
+        ) -> gmlake_core::DeviceResult<()> {
+            Ok(())
+        }
+        fn unmap(&self, _: u64, _: usize) -> gmlake_core::DeviceResult<()> {
+            Ok(())
+        }
+        fn set_access(&self, _: u64, _: usize) -> gmlake_core::DeviceResult<()> {
+            Ok(())
+        }
+        fn create_event(&self) -> gmlake_core::DeviceResult<gmlake_core::EventHandle> {
+            Ok(gmlake_core::EventHandle(1))
+        }
+        fn destroy_event(&self, _: gmlake_core::EventHandle) -> gmlake_core::DeviceResult<()> {
+            Ok(())
+        }
+        fn record_event(
+            &self,
+            _: gmlake_core::EventHandle,
+            _: u64,
+        ) -> gmlake_core::DeviceResult<()> {
+            Ok(())
+        }
+        fn query_event(&self, _: gmlake_core::EventHandle) -> gmlake_core::DeviceResult<bool> {
+            Ok(true)
+        }
+        fn synchronize(&self) -> gmlake_core::DeviceResult<()> {
+            Ok(())
+        }
+    }
+    let a = Allocator::new(Broken, Config::default()).unwrap();
+    match a.allocate(MIB, 0) {
+        Err(Error::Device(e)) => assert!(e.to_string().contains("cuMemCreate")),
+        other => panic!("expected a device error, got {other:?}"),
+    }
+}
+
+#[test]
+fn same_stream_reuse_is_immediate_other_streams_wait() {
+    let (_dev, a) = setup_async(1 << 30, Config::default());
+    let p = a.allocate(8 * MIB, 1).unwrap();
+    a.free(p).unwrap();
+    assert_eq!(
+        a.allocate(8 * MIB, 1).unwrap(),
+        p,
+        "same stream reuses at once"
+    );
+    let q = a.allocate(8 * MIB, 2).unwrap();
+    assert_ne!(q, p, "another stream gets other memory");
+}
+
+#[test]
+fn record_stream_delays_reuse_until_the_event_completes() {
+    let (dev, a) = setup_async(1 << 30, Config::default());
+    let p = a.allocate(8 * MIB, 1).unwrap();
+    a.record_stream(p, 2).unwrap();
+    a.free(p).unwrap();
+    assert_eq!(a.stats().pending_frees, 1);
+    let q = a.allocate(8 * MIB, 1).unwrap();
+    assert_ne!(q, p, "reused while stream 2 may still read it");
+    dev.complete_all();
+    let r = a.allocate(8 * MIB, 1).unwrap();
+    assert_eq!(r, p, "reused once stream 2 is done");
+    assert_eq!(a.stats().pending_frees, 0);
+    a.verify().unwrap();
+}
+
+#[test]
+fn pages_of_another_stream_are_stitched_only_after_its_fence() {
+    // Stream 1 frees 40 MiB; stream 2 needs 40 MiB on a device with room for 60 MiB.
+    let (dev, a) = setup_async(60 * MIB, Config::default());
+    let p = a.allocate(40 * MIB, 1).unwrap();
+    a.free(p).unwrap();
+    // While stream 1's work may be in flight its pages cannot move: the allocator must
+    // synchronise (counted) before it takes them.
+    a.allocate(40 * MIB, 2).unwrap();
+    let s = a.stats();
+    assert!(s.num_sync_all_streams >= 1, "{s:?}");
+    assert!(s.stitches >= 1);
+    assert!(dev.physical_bytes() <= 60 * MIB);
+    a.verify().unwrap();
+
+    // With room to spare, a pending fence means new memory rather than a wait.
+    let (dev, a) = setup_async(1 << 30, Config::default());
+    let p = a.allocate(40 * MIB, 1).unwrap();
+    a.free(p).unwrap();
+    a.allocate(40 * MIB, 2).unwrap();
+    assert_eq!(a.stats().num_sync_all_streams, 0);
+    assert_eq!(a.stats().stitches, 0);
+    // Once stream 1's fence completes its pages are stitched across streams.
+    dev.complete_all();
+    let before = dev.physical_bytes();
+    a.allocate(40 * MIB, 2).unwrap();
+    assert_eq!(dev.physical_bytes(), before, "{:?}", a.stats());
+    assert!(a.stats().stitches >= 1);
+}
+
+#[test]
+fn retired_mappings_wait_for_their_event() {
+    let (dev, a) = setup_async(1 << 30, Config::default());
+    let _live = checkerboard(&a, 0);
+    a.allocate(40 * MIB, 0).unwrap();
+    let s = a.stats();
+    assert!(
+        s.retired_bytes > 0,
+        "old mappings kept while kernels may use them"
+    );
+    let mappings = dev.live_mappings();
+    dev.complete_all();
+    // A slow path that stitches nothing (stream 9's fence is not complete) processes the
+    // completed retirements.
+    a.allocate(64 * MIB, 9).unwrap();
+    assert_eq!(a.stats().retired_bytes, 0);
+    assert!(dev.live_mappings() < mappings + 32);
+    a.verify().unwrap();
+}
+
+#[test]
+fn graph_pools_keep_their_pages() {
+    let (dev, a) = setup(1 << 30, Config::default());
+    let pool = GraphPoolId(1, 0);
+    a.begin_allocate_to_pool(pool);
+    let g = a.allocate_in(40 * MIB, 7, pool).unwrap();
+    a.end_allocate_to_pool(pool);
+    a.free(g).unwrap();
+    // The default pool neither reuses nor stitches the pool's free pages.
+    let d = a.allocate(40 * MIB, 7).unwrap();
+    assert_ne!(d, g);
+    assert_eq!(a.stats().stitches, 0);
+    a.free(d).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(
+        dev.physical_bytes(),
+        40 * MIB,
+        "the pool's pages stay for replays"
+    );
+    // The same pool reuses its block.
+    assert_eq!(a.allocate_in(40 * MIB, 7, pool).unwrap(), g);
+    a.free(g).unwrap();
+    a.release_pool(pool).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+    a.verify().unwrap();
+}
+
+#[test]
+fn stats_follow_allocations_and_resets() {
+    let (dev, a) = setup(1 << 30, Config::default());
+    let small = a.allocate(1000, 0).unwrap();
+    let large = a.allocate(5 * MIB + 1, 0).unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocation.aggregate().current, 2);
+    assert_eq!(s.allocation.0[1].current, 1);
+    assert_eq!(s.allocation.0[2].current, 1);
+    assert_eq!(
+        s.allocated_bytes.aggregate().current as u64,
+        1024 + 5 * MIB + 512
+    );
+    assert_eq!(
+        s.requested_bytes.aggregate().current as u64,
+        1000 + 5 * MIB + 1
+    );
+    assert_eq!(
+        s.reserved_bytes.aggregate().current as u64,
+        dev.physical_bytes()
+    );
+    assert_eq!(
+        s.segment.aggregate().current as u64,
+        dev.physical_bytes() / PAGE
+    );
+    assert_eq!(s.num_device_alloc as u64, dev.physical_bytes() / PAGE);
+    a.free(small).unwrap();
+    a.free(large).unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocation.aggregate().peak, 2);
+    assert_eq!(s.active_bytes.aggregate().current, 0);
+    assert!(s.inactive_split_bytes.aggregate().current > 0);
+    a.reset_peak_stats();
+    assert_eq!(a.stats().allocation.aggregate().peak, 0);
+    let created = a.stats().num_device_alloc;
+    a.reset_accumulated_stats();
+    assert_eq!(a.stats().allocation.aggregate().allocated, 0);
+    assert_eq!(a.stats().num_device_alloc, 0);
+    a.empty_cache().unwrap();
+    let s = a.stats();
+    assert_eq!(s.reserved_bytes.aggregate().current, 0);
+    assert_eq!(s.num_device_free, created);
+    assert_eq!(a.cache_info().cached_free_bytes, 0);
+}
+
+#[test]
+fn allocation_lookup_and_history() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    a.set_history(100);
+    let p = a.allocate(3 * MIB, 5).unwrap();
+    let info = a.allocation(p + 1234).unwrap();
+    assert_eq!((info.ptr, info.size, info.stream), (p, 3 * MIB, 5));
+    assert_eq!(a.pages_of(p).unwrap().len(), 2);
+    a.free(p).unwrap();
+    assert!(a.allocation(p).is_none());
+    let actions: Vec<TraceAction> = a.take_history().iter().map(|e| e.action).collect();
+    assert_eq!(
+        actions,
+        vec![
+            TraceAction::SegmentMap,
+            TraceAction::Alloc,
+            TraceAction::FreeRequested,
+            TraceAction::FreeCompleted
+        ]
+    );
+}
+
+#[test]
+fn auto_gc_bounds_cached_memory_after_stitches() {
+    let cfg = Config {
+        auto_gc_bytes: Some(0),
+        ..Config::default()
+    };
+    let (dev, a) = setup(1 << 30, cfg);
+    let _live = checkerboard(&a, 0);
+    let big = a.allocate(40 * MIB, 0).unwrap();
+    a.free(big).unwrap();
+    let p = a.allocate(60 * MIB, 0).unwrap(); // another stitch triggers the GC
+    a.allocate(PAGE * 40, 0).unwrap(); // processes the retired ranges
+    assert!(a.stats().stitches >= 1);
+    assert!(dev.physical_bytes() > 0 && p != 0);
+    a.verify().unwrap();
+}
+
+#[test]
+fn many_threads_share_one_allocator() {
+    let (dev, a) = setup(8 << 30, Config::default());
+    let a = Arc::new(a);
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let a = a.clone();
+            std::thread::spawn(move || {
+                let mut seed = t * 7919 + 1;
+                let mut live = Vec::new();
+                for _ in 0..5000 {
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    if live.len() < 50 && (seed >> 33) % 3 != 0 {
+                        let size = 512 + (seed >> 20) % (24 * MIB);
+                        live.push(a.allocate(size, t % 2).unwrap());
+                    } else if let Some(p) = live.pop() {
+                        a.free(p).unwrap();
+                    }
+                }
+                for p in live {
+                    a.free(p).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    a.verify().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+    assert_eq!(dev.live_mappings(), 0);
+}
+
+#[test]
+fn allocator_is_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<Allocator<SimDevice>>();
+}
