@@ -1,0 +1,195 @@
+//! `gmlake replay`: reads each file, replays each of its devices, prints the results.
+
+use crate::cli::ReplayArgs;
+use crate::plot::{self, Panel, SERIES_POINTS};
+use crate::progress::Progress;
+use crate::replay::{replay, Backend, Measures, OursSummary, ReplayOptions, SimBackend, TraceOnly};
+use crate::report::{self, Row};
+use crate::series::Series;
+use crate::trace::{read_trace, DeviceTrace};
+use std::io::Write;
+use std::path::Path;
+
+/// Exit status: everything replayed.
+pub const EXIT_OK: i32 = 0;
+/// Exit status: some file could not be read or replayed (the others were).
+pub const EXIT_FAILED: i32 = 1;
+/// Exit status: the options are unusable (nothing was replayed).
+pub const EXIT_USAGE: i32 = 2;
+
+/// What the chart needs from one replay.
+struct Charted {
+    title: String,
+    series: Series,
+    native_offset: u64,
+    ours: bool,
+}
+
+/// Runs `gmlake replay`; returns the process exit status.
+pub fn run_replay(args: &ReplayArgs) -> i32 {
+    let config = match args.config() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("gmlake: {e}");
+            return EXIT_USAGE;
+        }
+    };
+    let capacity = args.capacity_bytes();
+    // Check once, before reading anything, that the allocator accepts the configuration.
+    if !args.trace_only {
+        if let Err(e) = SimBackend::new(capacity, config.clone()) {
+            eprintln!("gmlake: cannot create the allocator: {e}");
+            return EXIT_USAGE;
+        }
+    }
+    let options = ReplayOptions {
+        strict: args.strict,
+        series_points: if args.plot.is_some() {
+            SERIES_POINTS
+        } else {
+            0
+        },
+    };
+
+    let mut progress = Progress::new();
+    let mut stdout = std::io::stdout().lock();
+    let mut rows = Vec::new();
+    let mut charts = Vec::new();
+    let mut failed = false;
+    for path in &args.files {
+        let name = path.display().to_string();
+        progress.reading(&name);
+        let trace = match read_trace(path) {
+            Ok(t) => t,
+            Err(e) => {
+                progress.clear();
+                eprintln!("gmlake: {e}");
+                failed = true;
+                continue;
+            }
+        };
+        if trace.devices.iter().all(|d| d.events.is_empty()) {
+            progress.clear();
+            eprintln!(
+                "gmlake: {name}: no events in device_traces (record them with \
+                 torch.cuda.memory._record_memory_history() before the snapshot)"
+            );
+            failed = true;
+            continue;
+        }
+        for dev in trace.devices.iter().filter(|d| !d.events.is_empty()) {
+            progress.replaying(&format!("{name} device {}", dev.device), dev.events.len());
+            let result = if args.trace_only {
+                replay_one(dev, &mut TraceOnly::default(), &options, &progress).map(|m| (m, None))
+            } else {
+                match SimBackend::new(capacity, config.clone()) {
+                    Ok(mut backend) => {
+                        replay_one(dev, &mut backend, &options, &progress).map(|m| {
+                            let ours = backend.summary(m.sampled_peak_reserved_bytes);
+                            (m, Some(ours))
+                        })
+                    }
+                    Err(e) => Err(format!("cannot create the allocator: {e}")),
+                }
+            };
+            progress.clear();
+            let (measures, ours): (Measures, Option<OursSummary>) = match result {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("gmlake: {name}: {e}");
+                    failed = true;
+                    continue;
+                }
+            };
+            let row = Row::new(name.clone(), dev.device, capacity, &measures, ours.as_ref());
+            if args.json && writeln!(stdout, "{}", row.to_json_line()).is_err() {
+                // Standard output is gone (e.g. a closed pipe): nothing more can be reported.
+                return EXIT_FAILED;
+            }
+            if args.plot.is_some() {
+                charts.push(Charted {
+                    title: chart_title(&row),
+                    native_offset: measures.native.offset(),
+                    series: measures.series,
+                    ours: ours.is_some(),
+                });
+            }
+            rows.push(row);
+        }
+    }
+    progress.clear();
+
+    if !args.json && !rows.is_empty() {
+        let mut text = report::table(&rows, args.capacity.is_some());
+        for note in rows.iter().flat_map(Row::notes) {
+            text.push_str("note: ");
+            text.push_str(&note);
+            text.push('\n');
+        }
+        if stdout.write_all(text.as_bytes()).is_err() {
+            return EXIT_FAILED;
+        }
+    }
+    let _ = stdout.flush();
+    if let Some(plot_path) = &args.plot {
+        if let Err(e) = write_chart(plot_path, &charts, args.capacity) {
+            eprintln!(
+                "gmlake: cannot write the chart {}: {e}",
+                plot_path.display()
+            );
+            failed = true;
+        }
+    }
+    if failed {
+        EXIT_FAILED
+    } else {
+        EXIT_OK
+    }
+}
+
+/// Replays one device, updating the progress bar; errors come back as text naming the
+/// device and the event.
+fn replay_one<B: Backend>(
+    dev: &DeviceTrace,
+    backend: &mut B,
+    options: &ReplayOptions,
+    progress: &Progress,
+) -> Result<Measures, String> {
+    replay(dev, backend, options, &mut |done| progress.set(done))
+        .map_err(|e| format!("device_traces[{}] event {}: {e}", dev.device, e.event))
+}
+
+fn chart_title(row: &Row) -> String {
+    let util = |u: Option<f64>| u.map_or("-".to_string(), |u| format!("{u:.3}"));
+    let ours = match (row.fits, row.ooms) {
+        (Some(false), Some(n)) => format!(
+            "does not fit in {} ({n} allocations failed)",
+            report::bytes(row.capacity_bytes)
+        ),
+        _ => format!("utilization {}", util(row.utilization)),
+    };
+    format!(
+        "{} device {}: peak active {}, {ours}, native utilization {}",
+        row.trace,
+        row.device,
+        report::bytes(row.peak_active_bytes),
+        util(row.native_utilization),
+    )
+}
+
+fn write_chart(path: &Path, charts: &[Charted], capacity: Option<u64>) -> Result<(), String> {
+    if charts.is_empty() {
+        return Err("nothing was replayed".into());
+    }
+    let panels: Vec<Panel> = charts
+        .iter()
+        .map(|c| Panel {
+            title: c.title.clone(),
+            points: c.series.points(),
+            native_offset: c.native_offset,
+            ours: c.ours,
+            capacity,
+        })
+        .collect();
+    plot::write_svg(path, &panels)
+}

@@ -1,0 +1,172 @@
+//! The command line: `gmlake replay [OPTIONS] FILE...`.
+
+use clap::{Args, Parser, Subcommand};
+use gmlake_core::{parse_size, Config};
+use std::path::PathBuf;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "gmlake",
+    version,
+    about = "GMLake GPU memory allocator tools",
+    propagate_version = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Replay PyTorch memory snapshots through the allocator on a simulated device and
+    /// compare the memory it reserves with what PyTorch's native allocator reserved.
+    ///
+    /// Each FILE is a pickle written by torch.cuda.memory._dump_snapshot() after
+    /// torch.cuda.memory._record_memory_history() (gzip-compressed pickles are accepted).
+    /// Every device of every file is replayed separately. No GPU is needed.
+    Replay(ReplayArgs),
+}
+
+/// A default simulated device big enough that no real trace runs out of memory.
+pub const DEFAULT_CAPACITY: u64 = 1 << 40;
+
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// Snapshot pickles to replay.
+    #[arg(required = true, value_name = "FILE")]
+    pub files: Vec<PathBuf>,
+
+    /// Print one JSON object per (trace, device) per line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+
+    /// Write an SVG chart of active and reserved memory (ours and native) over each trace.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+
+    /// Simulate a device of this size (e.g. 40GiB, 80GB, 1073741824) and report whether
+    /// the job fits: allocations that do not fit are counted and skipped. Default: 1 TiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_capacity)]
+    pub capacity: Option<u64>,
+
+    /// Set an allocator option, as GMLAKE_CONF would (repeatable), e.g.
+    /// --set stitch_strategy=largest_first --set fragLimit=64MiB
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_setting)]
+    pub settings: Vec<Setting>,
+
+    /// Treat frees of addresses never allocated, allocations at live addresses and unknown
+    /// actions as errors.
+    #[arg(long)]
+    pub strict: bool,
+
+    /// Only read the traces and report their own figures (peak active, native reserved);
+    /// do not replay them through the allocator.
+    #[arg(long)]
+    pub trace_only: bool,
+}
+
+/// One `--set KEY=VALUE`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Setting {
+    pub key: String,
+    pub value: String,
+}
+
+fn parse_capacity(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        0 => Err("the capacity must be more than 0 bytes".into()),
+        n => Ok(n),
+    }
+}
+
+/// Splits `KEY=VALUE` and checks it with the allocator's own configuration parser, so an
+/// invalid setting is rejected with the core's message before anything is read.
+fn parse_setting(s: &str) -> Result<Setting, String> {
+    let (key, value) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected KEY=VALUE, got {s:?}"))?;
+    let (key, value) = (key.trim(), value.trim());
+    Config::default()
+        .set(key, value)
+        .map_err(|e| e.to_string())?;
+    Ok(Setting {
+        key: key.to_string(),
+        value: value.to_string(),
+    })
+}
+
+impl ReplayArgs {
+    /// The default configuration with every `--set` applied in order.
+    pub fn config(&self) -> Result<Config, gmlake_core::Error> {
+        let mut config = Config::default();
+        for s in &self.settings {
+            config.set(&s.key, &s.value)?;
+        }
+        Ok(config)
+    }
+
+    /// The simulated device's size.
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity.unwrap_or(DEFAULT_CAPACITY)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_replay_options() {
+        let cli = Cli::try_parse_from([
+            "gmlake",
+            "replay",
+            "a.pickle",
+            "b.pickle.gz",
+            "--json",
+            "--capacity",
+            "40GiB",
+            "--set",
+            "fragLimit=64MiB",
+            "--set",
+            "stitch_strategy=lru",
+            "--strict",
+        ])
+        .unwrap();
+        let Command::Replay(r) = cli.command;
+        assert_eq!(r.files.len(), 2);
+        assert!(r.json && r.strict && !r.trace_only);
+        assert_eq!(r.capacity_bytes(), 40 << 30);
+        let c = r.config().unwrap();
+        assert_eq!(c.frag_limit, 64 << 20);
+        assert_eq!(c.stitch_strategy, gmlake_core::StitchStrategy::Lru);
+    }
+
+    #[test]
+    fn rejects_bad_values_with_the_cores_message() {
+        let e = Cli::try_parse_from(["gmlake", "replay", "a", "--set", "defragLevel=high"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("defragLevel") && e.contains("high"), "{e}");
+        let e = Cli::try_parse_from(["gmlake", "replay", "a", "--set", "fragLimit"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("KEY=VALUE"), "{e}");
+        let e = Cli::try_parse_from(["gmlake", "replay", "a", "--capacity", "12 parsecs"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("parsecs"), "{e}");
+        assert!(
+            Cli::try_parse_from(["gmlake", "replay"]).is_err(),
+            "FILE is required"
+        );
+        let r = Cli::try_parse_from(["gmlake", "replay", "a"]).unwrap();
+        let Command::Replay(r) = r.command;
+        assert_eq!(r.capacity_bytes(), DEFAULT_CAPACITY);
+    }
+}

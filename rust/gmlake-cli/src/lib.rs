@@ -1,0 +1,21 @@
+//! The `gmlake` command-line tool. Its one subcommand so far, `gmlake replay`, replays memory
+//! snapshots recorded by PyTorch through the GMLake allocator on a simulated device and
+//! reports the memory it would save.
+//!
+//! - [`trace`]: reading snapshot pickles into compact events;
+//! - [`native`]: the native allocator's reserved memory, from the trace's segment events;
+//! - [`replay`]: driving the allocator over the events and measuring;
+//! - [`series`]: the downsampled memory-over-time series for charts;
+//! - [`report`]: the table and JSON output; [`plot`]: the SVG chart;
+//! - [`cli`], [`app`], [`progress`], [`clock`]: the command itself.
+
+pub mod app;
+pub mod cli;
+pub mod clock;
+pub mod native;
+pub mod plot;
+pub mod progress;
+pub mod replay;
+pub mod report;
+pub mod series;
+pub mod trace;

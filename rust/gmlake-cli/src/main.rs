@@ -1,0 +1,11 @@
+use clap::Parser;
+use gmlake_cli::app::run_replay;
+use gmlake_cli::cli::{Cli, Command};
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match &cli.command {
+        Command::Replay(args) => run_replay(args),
+    };
+    std::process::exit(code);
+}

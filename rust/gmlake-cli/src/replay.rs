@@ -1,0 +1,519 @@
+//! Replaying one device's events through an allocator, measuring as it goes: the trace's
+//! active bytes, the physical memory our allocator holds, and the native allocator's reserved
+//! memory from the trace's segment events.
+
+use crate::clock::thread_cpu_time;
+use crate::native::NativeMeter;
+use crate::series::Series;
+use crate::trace::{Action, DeviceTrace};
+use gmlake_core::{
+    Allocator, Config, DeviceError, DevicePtr, DriverCalls, Error as CoreError, SimDevice, StreamId,
+};
+use rustc_hash::FxHashMap;
+use std::fmt;
+use std::time::Instant;
+
+/// What the replay drives: our allocator on a simulated device, or nothing at all.
+pub trait Backend {
+    /// Serves an allocation of the trace.
+    fn allocate(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, CoreError>;
+    /// Frees a pointer `allocate` returned.
+    fn free(&mut self, ptr: DevicePtr) -> Result<(), CoreError>;
+    /// Physical bytes held right now (must be O(1): it is read after every allocator call).
+    fn reserved_bytes(&self) -> u64;
+}
+
+/// The GMLake allocator on a simulated device.
+pub struct SimBackend {
+    allocator: Allocator<SimDevice>,
+}
+
+/// Our allocator's figures after a replay.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OursSummary {
+    /// Peak physical bytes: the larger of the device's figure sampled after every event and
+    /// the allocator's own `reserved_bytes` peak (which also sees peaks inside one call).
+    pub peak_reserved_bytes: u64,
+    pub stitches: u64,
+    pub pages_stitched: u64,
+    pub driver_calls: DriverCalls,
+    /// The configuration used, as `key:value` pairs.
+    pub config: Vec<(&'static str, String)>,
+}
+
+impl SimBackend {
+    /// An allocator with `config` on a simulated device of `capacity` bytes.
+    pub fn new(capacity: u64, config: Config) -> Result<SimBackend, CoreError> {
+        Ok(SimBackend {
+            allocator: Allocator::new(SimDevice::new(capacity), config)?,
+        })
+    }
+
+    /// The allocator's counters; `sampled_peak` is the replay's own peak of `reserved_bytes`.
+    pub fn summary(&self, sampled_peak: u64) -> OursSummary {
+        let stats = self.allocator.stats();
+        let stats_peak = u64::try_from(stats.reserved_bytes.aggregate().peak).unwrap_or(0);
+        OursSummary {
+            peak_reserved_bytes: sampled_peak.max(stats_peak),
+            stitches: stats.stitches,
+            pages_stitched: stats.pages_stitched,
+            driver_calls: stats.driver_calls,
+            config: self.allocator.config().to_pairs(),
+        }
+    }
+}
+
+impl Backend for SimBackend {
+    #[inline]
+    fn allocate(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, CoreError> {
+        self.allocator.allocate(size, stream)
+    }
+    #[inline]
+    fn free(&mut self, ptr: DevicePtr) -> Result<(), CoreError> {
+        self.allocator.free(ptr)
+    }
+    #[inline]
+    fn reserved_bytes(&self) -> u64 {
+        self.allocator.device().physical_bytes()
+    }
+}
+
+/// No allocator: only the trace's own figures are measured (and the replay's own cost).
+#[derive(Default)]
+pub struct TraceOnly {
+    next: DevicePtr,
+}
+
+impl Backend for TraceOnly {
+    #[inline]
+    fn allocate(&mut self, _size: u64, _stream: StreamId) -> Result<DevicePtr, CoreError> {
+        self.next += 1;
+        Ok(self.next)
+    }
+    #[inline]
+    fn free(&mut self, _ptr: DevicePtr) -> Result<(), CoreError> {
+        Ok(())
+    }
+    #[inline]
+    fn reserved_bytes(&self) -> u64 {
+        0
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ReplayOptions {
+    /// Frees of unknown addresses, allocations at live addresses and unknown actions are
+    /// errors instead of being counted.
+    pub strict: bool,
+    /// Points of the time series to record (0: none).
+    pub series_points: usize,
+}
+
+/// What one replay measured.
+#[derive(Clone, Debug)]
+pub struct Measures {
+    pub events: usize,
+    /// The action that freed allocations (free_completed, or free_requested as a fallback).
+    pub free_action: Action,
+    /// Peak of the running sum of live allocation sizes in the trace.
+    pub peak_active_bytes: u64,
+    /// Peak of [`Backend::reserved_bytes`] sampled after every allocator call.
+    pub sampled_peak_reserved_bytes: u64,
+    pub native: NativeMeter,
+    /// Allocations our allocator refused for lack of memory (skipped, with their frees).
+    pub ooms: u64,
+    /// The first of them: (event index, the allocator's message).
+    pub first_oom: Option<(usize, String)>,
+    /// Frees of addresses with no live allocation in the trace (ignored).
+    pub unknown_frees: u64,
+    /// Allocations at an address that was still live (the trace lost a free: the old one is
+    /// freed first).
+    pub duplicate_allocs: u64,
+    pub unknown_actions: u64,
+    pub wall_seconds: f64,
+    /// CPU time of the replay loop (allocator included), where the platform measures it.
+    pub cpu_seconds: Option<f64>,
+    pub series: Series,
+}
+
+/// Why a replay stopped, at which event.
+#[derive(Debug)]
+pub struct ReplayError {
+    pub event: usize,
+    pub kind: ReplayErrorKind,
+}
+
+#[derive(Debug)]
+pub enum ReplayErrorKind {
+    /// `--strict`: a free of an address with no live allocation.
+    UnknownFree { action: Action, addr: u64 },
+    /// `--strict`: an allocation at an address that is still live.
+    DuplicateAlloc { addr: u64 },
+    /// `--strict`: an action this reader does not know.
+    UnknownAction,
+    /// The allocator failed other than by running out of memory.
+    Allocator {
+        action: Action,
+        size: u64,
+        error: CoreError,
+    },
+}
+
+impl fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            ReplayErrorKind::UnknownFree { action, addr } => write!(
+                f,
+                "{} of address {addr:#x}, which has no live allocation (--strict)",
+                action.name()
+            ),
+            ReplayErrorKind::DuplicateAlloc { addr } => write!(
+                f,
+                "alloc at address {addr:#x}, which is still allocated (--strict)"
+            ),
+            ReplayErrorKind::UnknownAction => write!(f, "unknown action (--strict)"),
+            ReplayErrorKind::Allocator {
+                action,
+                size,
+                error,
+            } => write!(
+                f,
+                "the allocator failed on {} of {size} bytes: {error}",
+                action.name()
+            ),
+        }
+    }
+}
+
+impl std::error::Error for ReplayError {}
+
+/// An allocation of the trace, as replayed.
+#[derive(Clone, Copy)]
+struct Live {
+    size: u64,
+    /// Our pointer, or `None` when our allocator ran out of memory for it.
+    ptr: Option<DevicePtr>,
+}
+
+fn is_oom(e: &CoreError) -> bool {
+    matches!(
+        e,
+        CoreError::OutOfMemory(_) | CoreError::Device(DeviceError::OutOfMemory)
+    )
+}
+
+/// Calls `progress` with the number of events done every this many events.
+const PROGRESS_EVERY: usize = 1 << 13;
+
+/// Replays `trace` through `backend`. `progress` is told how many events are done now and then.
+pub fn replay<B: Backend>(
+    trace: &DeviceTrace,
+    backend: &mut B,
+    options: &ReplayOptions,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Measures, ReplayError> {
+    let free_action = trace.free_action();
+    let events = &trace.events;
+    let mut live: FxHashMap<u64, Live> = FxHashMap::default();
+    let mut native = NativeMeter::default();
+    let mut series = Series::new(events.len(), options.series_points);
+    let (mut active, mut peak_active) = (0u64, 0u64);
+    let mut reserved = backend.reserved_bytes();
+    let mut peak_reserved = reserved;
+    let (mut ooms, mut unknown_frees, mut duplicate_allocs) = (0u64, 0u64, 0u64);
+    let mut first_oom = None;
+    let fail = |event, kind| Err(ReplayError { event, kind });
+
+    let cpu_start = thread_cpu_time();
+    let wall_start = Instant::now();
+    for (i, e) in events.iter().enumerate() {
+        match e.action {
+            Action::Alloc => {
+                if let Some(old) = live.remove(&e.addr) {
+                    if options.strict {
+                        return fail(i, ReplayErrorKind::DuplicateAlloc { addr: e.addr });
+                    }
+                    duplicate_allocs += 1;
+                    active = active.saturating_sub(old.size);
+                    if let Some(ptr) = old.ptr {
+                        if let Err(error) = backend.free(ptr) {
+                            let (action, size) = (free_action, old.size);
+                            return fail(
+                                i,
+                                ReplayErrorKind::Allocator {
+                                    action,
+                                    size,
+                                    error,
+                                },
+                            );
+                        }
+                    }
+                }
+                let ptr = match backend.allocate(e.size, e.stream) {
+                    Ok(p) => Some(p),
+                    Err(error) if is_oom(&error) => {
+                        ooms += 1;
+                        first_oom.get_or_insert_with(|| (i, error.to_string()));
+                        None
+                    }
+                    Err(error) => {
+                        let (action, size) = (Action::Alloc, e.size);
+                        return fail(
+                            i,
+                            ReplayErrorKind::Allocator {
+                                action,
+                                size,
+                                error,
+                            },
+                        );
+                    }
+                };
+                reserved = backend.reserved_bytes();
+                live.insert(e.addr, Live { size: e.size, ptr });
+                active = active.saturating_add(e.size);
+                peak_active = peak_active.max(active);
+            }
+            a if a == free_action => match live.remove(&e.addr) {
+                Some(l) => {
+                    active = active.saturating_sub(l.size);
+                    // Size-0 allocations get a null pointer, which is not freed.
+                    if let Some(ptr) = l.ptr.filter(|&p| p != 0) {
+                        if let Err(error) = backend.free(ptr) {
+                            let (action, size) = (a, l.size);
+                            return fail(
+                                i,
+                                ReplayErrorKind::Allocator {
+                                    action,
+                                    size,
+                                    error,
+                                },
+                            );
+                        }
+                        reserved = backend.reserved_bytes();
+                    }
+                }
+                None if options.strict => {
+                    return fail(
+                        i,
+                        ReplayErrorKind::UnknownFree {
+                            action: a,
+                            addr: e.addr,
+                        },
+                    );
+                }
+                None => unknown_frees += 1,
+            },
+            Action::Unknown if options.strict => return fail(i, ReplayErrorKind::UnknownAction),
+            _ => native.observe(e),
+        }
+        peak_reserved = peak_reserved.max(reserved);
+        series.record(i, active, reserved, native.running());
+        if i % PROGRESS_EVERY == 0 {
+            progress(i);
+        }
+    }
+    let wall_seconds = wall_start.elapsed().as_secs_f64();
+    let cpu_seconds = match (cpu_start, thread_cpu_time()) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a).as_secs_f64()),
+        _ => None,
+    };
+    progress(events.len());
+    series.finish(events.len().saturating_sub(1));
+
+    Ok(Measures {
+        events: events.len(),
+        free_action,
+        peak_active_bytes: peak_active,
+        sampled_peak_reserved_bytes: peak_reserved,
+        native,
+        ooms,
+        first_oom,
+        unknown_frees,
+        duplicate_allocs,
+        unknown_actions: trace.unknown_actions,
+        wall_seconds,
+        cpu_seconds,
+        series,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::Event;
+
+    /// A backend with a fixed capacity that holds exactly the bytes allocated (no caching),
+    /// so the replay's bookkeeping can be checked without the real allocator.
+    #[derive(Default)]
+    struct Exact {
+        capacity: u64,
+        held: FxHashMap<DevicePtr, u64>,
+        bytes: u64,
+        next: DevicePtr,
+    }
+
+    impl Backend for Exact {
+        fn allocate(&mut self, size: u64, _: StreamId) -> Result<DevicePtr, CoreError> {
+            if size == 0 {
+                return Ok(0);
+            }
+            if self.bytes + size > self.capacity {
+                return Err(CoreError::Device(DeviceError::OutOfMemory));
+            }
+            self.next += 4096;
+            self.held.insert(self.next, size);
+            self.bytes += size;
+            Ok(self.next)
+        }
+        fn free(&mut self, ptr: DevicePtr) -> Result<(), CoreError> {
+            let size = self
+                .held
+                .remove(&ptr)
+                .ok_or(CoreError::UnknownPointer(ptr))?;
+            self.bytes -= size;
+            Ok(())
+        }
+        fn reserved_bytes(&self) -> u64 {
+            self.bytes
+        }
+    }
+
+    fn ev(action: Action, addr: u64, size: u64) -> Event {
+        Event {
+            addr,
+            size,
+            stream: 0,
+            action,
+        }
+    }
+
+    fn trace(events: Vec<Event>) -> DeviceTrace {
+        DeviceTrace {
+            events,
+            ..DeviceTrace::default()
+        }
+    }
+
+    fn opts(strict: bool) -> ReplayOptions {
+        ReplayOptions {
+            strict,
+            series_points: 100,
+        }
+    }
+
+    fn run(t: &DeviceTrace, capacity: u64, strict: bool) -> Result<Measures, ReplayError> {
+        let mut b = Exact {
+            capacity,
+            ..Exact::default()
+        };
+        replay(t, &mut b, &opts(strict), &mut |_| {})
+    }
+
+    #[test]
+    fn measures_active_reserved_and_native() {
+        use Action::*;
+        let t = trace(vec![
+            ev(SegmentAlloc, 0, 1000),
+            ev(Alloc, 1, 100),
+            ev(Alloc, 2, 300),
+            ev(FreeRequested, 1, 100),
+            ev(FreeCompleted, 1, 100),
+            ev(Alloc, 3, 0),
+            ev(Alloc, 4, 50),
+            ev(FreeCompleted, 3, 0),
+            ev(Snapshot, 0, 0),
+        ]);
+        let m = run(&t, 1 << 20, false).unwrap();
+        assert_eq!(m.events, 9);
+        assert_eq!(m.free_action, FreeCompleted);
+        assert_eq!(m.peak_active_bytes, 400);
+        assert_eq!(m.sampled_peak_reserved_bytes, 400);
+        assert_eq!(m.native.peak(), 1000);
+        assert_eq!((m.ooms, m.unknown_frees, m.duplicate_allocs), (0, 0, 0));
+        let last = *m.series.points().last().unwrap();
+        assert_eq!((last.event, last.active, last.native), (8, 350, 1000));
+    }
+
+    #[test]
+    fn free_requested_is_the_fallback() {
+        use Action::*;
+        let t = trace(vec![
+            ev(Alloc, 1, 100),
+            ev(FreeRequested, 1, 100),
+            ev(Alloc, 2, 100),
+        ]);
+        let m = run(&t, 1 << 20, false).unwrap();
+        assert_eq!(m.free_action, FreeRequested);
+        assert_eq!(m.peak_active_bytes, 100);
+    }
+
+    #[test]
+    fn unknown_frees_are_counted_or_fatal_when_strict() {
+        use Action::*;
+        let t = trace(vec![ev(Alloc, 1, 100), ev(FreeCompleted, 7, 100)]);
+        assert_eq!(run(&t, 1 << 20, false).unwrap().unknown_frees, 1);
+        let e = run(&t, 1 << 20, true).unwrap_err();
+        assert_eq!(e.event, 1);
+        assert!(e.to_string().contains("0x7"), "{e}");
+    }
+
+    #[test]
+    fn duplicate_allocs_free_the_old_one() {
+        use Action::*;
+        let t = trace(vec![ev(Alloc, 1, 100), ev(Alloc, 1, 40)]);
+        let m = run(&t, 1 << 20, false).unwrap();
+        assert_eq!(m.duplicate_allocs, 1);
+        assert_eq!(m.peak_active_bytes, 100);
+        assert_eq!(m.sampled_peak_reserved_bytes, 100);
+        assert_eq!(run(&t, 1 << 20, true).unwrap_err().event, 1);
+    }
+
+    #[test]
+    fn out_of_memory_skips_the_allocation_and_its_free() {
+        use Action::*;
+        let t = trace(vec![
+            ev(Alloc, 1, 600),
+            ev(Alloc, 2, 600),
+            ev(FreeCompleted, 2, 600),
+            ev(FreeCompleted, 1, 600),
+            ev(Alloc, 3, 900),
+        ]);
+        let m = run(&t, 1000, false).unwrap();
+        assert_eq!(m.ooms, 1);
+        assert_eq!(m.first_oom.as_ref().unwrap().0, 1);
+        assert_eq!(
+            m.peak_active_bytes, 1200,
+            "active is the trace's, OOM or not"
+        );
+        assert_eq!(m.sampled_peak_reserved_bytes, 900);
+        assert_eq!(m.unknown_frees, 0);
+    }
+
+    #[test]
+    fn unknown_actions_are_ignored_unless_strict() {
+        use Action::*;
+        let t = trace(vec![ev(Alloc, 1, 100), ev(Unknown, 0, 0)]);
+        assert!(run(&t, 1000, false).is_ok());
+        assert_eq!(run(&t, 1000, true).unwrap_err().event, 1);
+    }
+
+    #[test]
+    fn other_allocator_errors_stop_the_replay() {
+        struct Broken;
+        impl Backend for Broken {
+            fn allocate(&mut self, s: u64, _: StreamId) -> Result<DevicePtr, CoreError> {
+                Err(CoreError::SizeOverflow(s))
+            }
+            fn free(&mut self, _: DevicePtr) -> Result<(), CoreError> {
+                Ok(())
+            }
+            fn reserved_bytes(&self) -> u64 {
+                0
+            }
+        }
+        let t = trace(vec![ev(Action::Alloc, 1, u64::MAX)]);
+        let e = replay(&t, &mut Broken, &opts(false), &mut |_| {}).unwrap_err();
+        assert_eq!(e.event, 0);
+        assert!(e.to_string().contains("too large"), "{e}");
+    }
+}

@@ -1,0 +1,399 @@
+//! The results of replays: one [`Row`] per (trace, device), printed as a table for people or
+//! as one JSON object per line for programs.
+
+use crate::replay::{Measures, OursSummary};
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// One replayed (trace, device).
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub trace: String,
+    pub device: usize,
+    pub events: usize,
+    /// `free_completed`, or `free_requested` for a trace without completions.
+    pub free_action: &'static str,
+    pub peak_active_bytes: u64,
+    /// Our peak physical memory (null with `--trace-only`).
+    pub peak_reserved_bytes: Option<u64>,
+    /// peak active / our peak reserved.
+    pub utilization: Option<f64>,
+    pub native_peak_reserved_bytes: u64,
+    pub native_utilization: Option<f64>,
+    /// Native peak reserved minus ours (negative: we held more).
+    pub saved_bytes: Option<i64>,
+    /// `saved_bytes` / native peak reserved.
+    pub saved_fraction: Option<f64>,
+    pub stitches: Option<u64>,
+    pub pages_stitched: Option<u64>,
+    /// Driver calls by kind, plus `total`.
+    pub driver_calls: Option<Map<String, Value>>,
+    /// The simulated device's size.
+    pub capacity_bytes: u64,
+    /// Every allocation was served within the capacity.
+    pub fits: Option<bool>,
+    /// Allocations our allocator refused for lack of memory (replayed without them).
+    pub ooms: Option<u64>,
+    /// The first refused allocation: its event index and the allocator's message.
+    pub first_oom_event: Option<usize>,
+    pub first_oom_message: Option<String>,
+    /// The native allocator's peak reserved memory stayed within the capacity.
+    pub native_fits: bool,
+    /// `oom` events recorded in the trace by the native allocator.
+    pub native_oom_events: u64,
+    /// Frees of addresses with no live allocation (ignored; `--strict` makes them fatal).
+    pub unknown_frees: u64,
+    /// Allocations at a still-live address (the older one was freed first).
+    pub duplicate_allocs: u64,
+    /// Events with an action this version does not know (ignored).
+    pub unknown_actions: u64,
+    /// Wall time of the replay loop.
+    pub replay_seconds: f64,
+    /// CPU time of the replay loop, allocator included.
+    pub cpu_seconds: Option<f64>,
+    pub cpu_us_per_event: Option<f64>,
+    /// The allocator's configuration.
+    pub config: Option<Map<String, Value>>,
+}
+
+fn ratio(a: u64, b: u64) -> Option<f64> {
+    (b > 0).then(|| a as f64 / b as f64)
+}
+
+impl Row {
+    pub fn new(
+        trace: String,
+        device: usize,
+        capacity: u64,
+        m: &Measures,
+        ours: Option<&OursSummary>,
+    ) -> Row {
+        let native = m.native.peak();
+        let reserved = ours.map(|o| o.peak_reserved_bytes);
+        let saved = reserved.map(|r| native as i64 - r as i64);
+        let per_event = |s: f64| (m.events > 0).then(|| s * 1e6 / m.events as f64);
+        Row {
+            trace,
+            device,
+            events: m.events,
+            free_action: m.free_action.name(),
+            peak_active_bytes: m.peak_active_bytes,
+            peak_reserved_bytes: reserved,
+            utilization: reserved.and_then(|r| ratio(m.peak_active_bytes, r)),
+            native_peak_reserved_bytes: native,
+            native_utilization: ratio(m.peak_active_bytes, native),
+            saved_bytes: saved,
+            saved_fraction: saved.and_then(|s| (native > 0).then(|| s as f64 / native as f64)),
+            stitches: ours.map(|o| o.stitches),
+            pages_stitched: ours.map(|o| o.pages_stitched),
+            driver_calls: ours.map(|o| {
+                let mut calls: Map<String, Value> = o
+                    .driver_calls
+                    .as_pairs()
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v.into()))
+                    .collect();
+                calls.insert("total".into(), o.driver_calls.total().into());
+                calls
+            }),
+            capacity_bytes: capacity,
+            fits: ours.map(|_| m.ooms == 0),
+            ooms: ours.map(|_| m.ooms),
+            first_oom_event: m.first_oom.as_ref().map(|(i, _)| *i),
+            first_oom_message: m.first_oom.as_ref().map(|(_, s)| s.clone()),
+            native_fits: native <= capacity,
+            native_oom_events: m.native.oom_events(),
+            unknown_frees: m.unknown_frees,
+            duplicate_allocs: m.duplicate_allocs,
+            unknown_actions: m.unknown_actions,
+            replay_seconds: m.wall_seconds,
+            cpu_seconds: m.cpu_seconds,
+            cpu_us_per_event: per_event(m.cpu_seconds.unwrap_or(m.wall_seconds)),
+            config: ours.map(|o| {
+                o.config
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), Value::String(v.clone())))
+                    .collect()
+            }),
+        }
+    }
+
+    /// The row as one line of JSON.
+    pub fn to_json_line(&self) -> String {
+        // A struct of plain fields and string-keyed maps always serializes; keep a fallback
+        // anyway rather than a panic.
+        serde_json::to_string(self).unwrap_or_else(|e| format!("{{\"error\":{:?}}}", e.to_string()))
+    }
+
+    /// Things a reader of the table should know about this row, one sentence each.
+    pub fn notes(&self) -> Vec<String> {
+        let at = format!("{} device {}", self.trace, self.device);
+        let mut notes = Vec::new();
+        if self.unknown_frees > 0 {
+            notes.push(format!(
+                "{at}: {} {} event(s) of addresses never allocated in the trace were ignored \
+                 (the trace may start mid-run; --strict makes this an error)",
+                self.unknown_frees, self.free_action
+            ));
+        }
+        if self.duplicate_allocs > 0 {
+            notes.push(format!(
+                "{at}: {} allocation(s) at a still-live address: the earlier one was freed first",
+                self.duplicate_allocs
+            ));
+        }
+        if self.unknown_actions > 0 {
+            notes.push(format!(
+                "{at}: {} event(s) with an unknown action were ignored",
+                self.unknown_actions
+            ));
+        }
+        if let (Some(n @ 1..), Some(i), Some(msg)) =
+            (self.ooms, self.first_oom_event, &self.first_oom_message)
+        {
+            notes.push(format!(
+                "{at}: does not fit in {}: {n} allocation(s) failed and were skipped (so its \
+                 utilization compares the trace's active memory with a replay without them); \
+                 the first at event {i}: {msg}",
+                bytes(self.capacity_bytes)
+            ));
+        }
+        if self.native_oom_events > 0 {
+            notes.push(format!(
+                "{at}: the trace records {} native out-of-memory event(s)",
+                self.native_oom_events
+            ));
+        }
+        notes
+    }
+}
+
+/// Bytes for people: GiB from 1 GiB up, MiB from 1 MiB, KiB below.
+pub fn bytes(b: u64) -> String {
+    const KIB: f64 = 1024.0;
+    let x = b as f64;
+    if x >= KIB * KIB * KIB {
+        format!("{:.2} GiB", x / (KIB * KIB * KIB))
+    } else if x >= KIB * KIB {
+        format!("{:.1} MiB", x / (KIB * KIB))
+    } else if b >= 1024 {
+        format!("{:.1} KiB", x / KIB)
+    } else {
+        format!("{b} B")
+    }
+}
+
+fn signed_bytes(b: i64) -> String {
+    if b < 0 {
+        format!("-{}", bytes(b.unsigned_abs()))
+    } else {
+        bytes(b as u64)
+    }
+}
+
+fn opt<T>(v: Option<T>, f: impl Fn(T) -> String) -> String {
+    v.map_or_else(|| "-".to_string(), f)
+}
+
+fn yes_no(b: bool) -> String {
+    if b { "yes" } else { "no" }.to_string()
+}
+
+/// The rows as an aligned text table. `capacity` adds the columns on fitting in the device.
+pub fn table(rows: &[Row], capacity: bool) -> String {
+    let mut header = vec![
+        "trace",
+        "dev",
+        "events",
+        "peak active",
+        "ours reserved",
+        "util",
+        "native reserved",
+        "native util",
+        "saved",
+        "saved %",
+        "stitches",
+        "driver calls",
+        "µs/event",
+    ];
+    if capacity {
+        header.extend(["fits", "native fits"]);
+    }
+    let mut cells: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    for r in rows {
+        let mut line = vec![
+            r.trace.clone(),
+            r.device.to_string(),
+            r.events.to_string(),
+            bytes(r.peak_active_bytes),
+            opt(r.peak_reserved_bytes, bytes),
+            opt(r.utilization, |u| format!("{u:.3}")),
+            bytes(r.native_peak_reserved_bytes),
+            opt(r.native_utilization, |u| format!("{u:.3}")),
+            opt(r.saved_bytes, signed_bytes),
+            opt(r.saved_fraction, |f| format!("{:.1}%", f * 100.0)),
+            opt(r.stitches, |s| s.to_string()),
+            opt(r.driver_calls.as_ref(), |c| {
+                c.get("total").map_or("-".into(), |t| t.to_string())
+            }),
+            opt(r.cpu_us_per_event, |u| format!("{u:.3}")),
+        ];
+        if capacity {
+            line.push(opt(r.fits, |f| {
+                if f {
+                    yes_no(true)
+                } else {
+                    format!("no ({} OOM)", r.ooms.unwrap_or(0))
+                }
+            }));
+            line.push(yes_no(r.native_fits));
+        }
+        cells.push(line);
+    }
+    let columns = cells[0].len();
+    let widths: Vec<usize> = (0..columns)
+        .map(|c| {
+            cells
+                .iter()
+                .map(|l| l[c].chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for (n, line) in cells.iter().enumerate() {
+        let mut text = String::new();
+        for (c, cell) in line.iter().enumerate() {
+            let pad = widths[c] - cell.chars().count();
+            if c > 0 {
+                text.push_str("  ");
+            }
+            // The trace name is left-aligned, figures right-aligned.
+            if c == 0 {
+                text.push_str(cell);
+                text.extend(std::iter::repeat_n(' ', pad));
+            } else {
+                text.extend(std::iter::repeat_n(' ', pad));
+                text.push_str(cell);
+            }
+        }
+        out.push_str(text.trim_end());
+        out.push('\n');
+        if n == 0 {
+            let total: usize = widths.iter().sum::<usize>() + 2 * (columns - 1);
+            out.push_str(&"-".repeat(total));
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::native::NativeMeter;
+    use crate::series::Series;
+    use crate::trace::{Action, Event};
+    use gmlake_core::DriverCalls;
+
+    fn measures() -> Measures {
+        let mut native = NativeMeter::default();
+        native.observe(&Event {
+            addr: 0,
+            size: 4 << 30,
+            stream: 0,
+            action: Action::SegmentAlloc,
+        });
+        Measures {
+            events: 1000,
+            free_action: Action::FreeCompleted,
+            peak_active_bytes: 3 << 30,
+            sampled_peak_reserved_bytes: 3 << 30,
+            native,
+            ooms: 0,
+            first_oom: None,
+            unknown_frees: 2,
+            duplicate_allocs: 0,
+            unknown_actions: 0,
+            wall_seconds: 0.002,
+            cpu_seconds: Some(0.001),
+            series: Series::default(),
+        }
+    }
+
+    fn ours() -> OursSummary {
+        OursSummary {
+            peak_reserved_bytes: 3 << 30,
+            stitches: 5,
+            pages_stitched: 9,
+            driver_calls: DriverCalls {
+                map: 7,
+                unmap: 3,
+                ..DriverCalls::default()
+            },
+            config: vec![("fragLimit", "0".into())],
+        }
+    }
+
+    #[test]
+    fn row_figures() {
+        let r = Row::new("a.pickle".into(), 0, 1 << 40, &measures(), Some(&ours()));
+        assert_eq!(r.utilization, Some(1.0));
+        assert_eq!(r.native_utilization, Some(0.75));
+        assert_eq!(r.saved_bytes, Some(1 << 30));
+        assert_eq!(r.saved_fraction, Some(0.25));
+        assert_eq!(r.fits, Some(true));
+        assert!(r.native_fits);
+        assert_eq!(r.cpu_us_per_event, Some(1.0));
+        let json: Value = serde_json::from_str(&r.to_json_line()).unwrap();
+        for key in [
+            "trace",
+            "device",
+            "events",
+            "peak_active_bytes",
+            "peak_reserved_bytes",
+            "utilization",
+            "native_peak_reserved_bytes",
+            "native_utilization",
+            "stitches",
+            "replay_seconds",
+        ] {
+            assert!(json.get(key).is_some(), "missing {key}");
+        }
+        assert_eq!(json["driver_calls"]["total"], 10);
+        assert_eq!(json["driver_calls"]["map"], 7);
+        assert_eq!(r.notes().len(), 1, "{:?}", r.notes());
+    }
+
+    #[test]
+    fn trace_only_rows_have_no_figures_of_ours() {
+        let r = Row::new("a.pickle".into(), 0, 1 << 40, &measures(), None);
+        assert_eq!(r.utilization, None);
+        assert_eq!(r.fits, None);
+        let t = table(&[r], true);
+        assert!(t.contains(" - "), "{t}");
+    }
+
+    #[test]
+    fn table_is_aligned() {
+        let a = Row::new("a.pickle".into(), 0, 1 << 40, &measures(), Some(&ours()));
+        let mut b = a.clone();
+        b.trace = "longer-name.pickle".into();
+        let t = table(&[a, b], false);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 4);
+        assert!(lines[0].starts_with("trace "));
+        assert!(lines[2].contains("3.00 GiB") && lines[2].contains("1.000"));
+        assert!(lines[2].contains("25.0%"));
+        let w = lines[0].chars().count();
+        assert!(lines[2..].iter().all(|l| l.chars().count() == w), "{t}");
+    }
+
+    #[test]
+    fn byte_units() {
+        assert_eq!(bytes(512), "512 B");
+        assert_eq!(bytes(3 << 19), "1.5 MiB");
+        assert_eq!(bytes(5 << 29), "2.50 GiB");
+        assert_eq!(signed_bytes(-(1 << 30)), "-1.00 GiB");
+    }
+}

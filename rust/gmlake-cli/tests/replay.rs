@@ -1,0 +1,432 @@
+//! Runs the real `gmlake` binary over the traces bundled in tests/traces.
+
+use serde_json::Value;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+const TRACES: [&str; 5] = [
+    "decode.pickle",
+    "gpt-ckpt.pickle",
+    "moe.pickle",
+    "moe-3steps-real.pickle",
+    "stress.pickle",
+];
+
+fn trace(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/traces")
+        .join(name)
+}
+
+/// A fresh scratch directory for one test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("replay-{test}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn gmlake<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_gmlake"))
+        .args(args)
+        .output()
+        .expect("the gmlake binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The JSON lines of a successful `gmlake replay --json`.
+fn json_rows(out: &Output) -> Vec<Value> {
+    assert!(
+        out.status.success(),
+        "gmlake failed: {}\n{}",
+        out.status,
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect()
+}
+
+/// An event as the test reads it, independently of the crate's own parser.
+#[derive(deser::Deserialize, deser::Serialize)]
+struct TestEvent {
+    action: String,
+    addr: Option<u64>,
+    size: Option<u64>,
+    stream: Option<u64>,
+}
+
+#[derive(deser::Deserialize, deser::Serialize)]
+struct TestSnapshot {
+    device_traces: Vec<Vec<TestEvent>>,
+}
+
+fn read_snapshot(path: &Path) -> TestSnapshot {
+    let bytes = std::fs::read(path).unwrap();
+    deser_pickle::DeserializerConfig::builder()
+        .max_shared_events(usize::MAX)
+        .build()
+        .from_slice(&bytes)
+        .unwrap()
+}
+
+/// Peak of the running sum of live allocation sizes, per device: an allocation is live from
+/// its `alloc` to its `free_completed` (`free_requested` in traces without completions).
+fn peak_active(snapshot: &TestSnapshot) -> Vec<u64> {
+    snapshot
+        .device_traces
+        .iter()
+        .map(|events| {
+            let free = if events.iter().any(|e| e.action == "free_completed") {
+                "free_completed"
+            } else {
+                "free_requested"
+            };
+            let mut live = HashMap::new();
+            let (mut now, mut peak) = (0u64, 0u64);
+            for e in events {
+                let addr = e.addr.unwrap_or(0);
+                if e.action == "alloc" {
+                    let size = e.size.unwrap();
+                    if let Some(old) = live.insert(addr, size) {
+                        now -= old;
+                    }
+                    now += size;
+                    peak = peak.max(now);
+                } else if e.action == free {
+                    now -= live.remove(&addr).unwrap_or(0);
+                }
+            }
+            peak
+        })
+        .collect()
+}
+
+#[test]
+fn bundled_traces_beat_native_utilization_and_match_active_bytes() {
+    let paths: Vec<PathBuf> = TRACES.iter().map(|t| trace(t)).collect();
+    let mut args = vec!["replay".into(), "--json".into()];
+    args.extend(paths.iter().map(|p| p.as_os_str().to_owned()));
+    let rows = json_rows(&gmlake(&args));
+    assert_eq!(
+        rows.len(),
+        TRACES.len(),
+        "one row per trace (each has one device)"
+    );
+    for (row, path) in rows.iter().zip(&paths) {
+        let name = row["trace"].as_str().unwrap();
+        assert_eq!(Path::new(name), path.as_path());
+        for key in [
+            "trace",
+            "device",
+            "events",
+            "peak_active_bytes",
+            "peak_reserved_bytes",
+            "utilization",
+            "native_peak_reserved_bytes",
+            "native_utilization",
+            "stitches",
+            "replay_seconds",
+        ] {
+            assert!(row.get(key).is_some(), "{name}: no {key}");
+        }
+        let expected = peak_active(&read_snapshot(path));
+        let device = row["device"].as_u64().unwrap() as usize;
+        assert_eq!(
+            row["peak_active_bytes"].as_u64().unwrap(),
+            expected[device],
+            "{name}: peak active bytes"
+        );
+        let util = row["utilization"].as_f64().unwrap();
+        let native = row["native_utilization"].as_f64().unwrap();
+        assert!(
+            util > native,
+            "{name}: utilization {util} is not above native {native}"
+        );
+        assert!(
+            util <= 1.0,
+            "{name}: utilization {util} above 1 without OOMs"
+        );
+        assert_eq!(row["fits"], true, "{name}");
+        assert_eq!(row["unknown_frees"], 0, "{name}");
+        assert!(row["driver_calls"]["total"].as_u64().unwrap() > 0, "{name}");
+        assert!(row["events"].as_u64().unwrap() > 1000, "{name}");
+    }
+}
+
+#[test]
+fn default_output_is_a_table() {
+    let out = gmlake(&["replay".as_ref(), trace("decode.pickle").as_os_str()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert!(
+        lines[0].starts_with("trace") && lines[0].contains("native util"),
+        "{stdout}"
+    );
+    assert!(
+        lines[2].contains("decode.pickle") && lines[2].contains("MiB"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn gzip_compressed_pickles_give_the_same_figures() {
+    use std::io::Write;
+    let dir = scratch("gzip");
+    let plain = trace("decode.pickle");
+    let gz = dir.join("decode.pickle.gz");
+    let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    enc.write_all(&std::fs::read(&plain).unwrap()).unwrap();
+    std::fs::write(&gz, enc.finish().unwrap()).unwrap();
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        plain.as_os_str(),
+        gz.as_os_str(),
+    ]));
+    for key in [
+        "events",
+        "peak_active_bytes",
+        "peak_reserved_bytes",
+        "stitches",
+    ] {
+        assert_eq!(rows[0][key], rows[1][key], "{key}");
+    }
+}
+
+fn assert_fails_naming(out: &Output, path: &Path, what: &str) {
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "{what}: exited 0");
+    assert!(
+        stderr.contains(&path.display().to_string()),
+        "{what}: the error does not name the file: {stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{what}: {stderr}");
+}
+
+#[test]
+fn bad_inputs_fail_with_the_file_named() {
+    let dir = scratch("bad");
+    let textfile = dir.join("notes.txt");
+    std::fs::write(&textfile, "this is not a pickle\n").unwrap();
+    let truncated = dir.join("truncated.pickle");
+    let bytes = std::fs::read(trace("stress.pickle")).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let list = dir.join("list.pickle");
+    // pickle.dumps([1, 2, 3], protocol=4)
+    std::fs::write(
+        &list,
+        b"\x80\x04\x95\x0b\x00\x00\x00\x00\x00\x00\x00]\x94(K\x01K\x02K\x03e.",
+    )
+    .unwrap();
+    let missing = dir.join("does-not-exist.pickle");
+    let empty = dir.join("empty.pickle");
+    std::fs::write(&empty, b"").unwrap();
+
+    for (path, what, expect) in [
+        (&textfile, "a text file", "not a pickle"),
+        (&truncated, "a truncated pickle", "truncated"),
+        (&list, "a pickle of a list", "not a memory snapshot"),
+        (&missing, "a missing file", "does-not-exist.pickle"),
+        (&empty, "an empty file", "empty file"),
+    ] {
+        let out = gmlake(&["replay".as_ref(), path.as_os_str()]);
+        assert_fails_naming(&out, path, what);
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains(expect), "{what}: {stderr}");
+    }
+
+    // A bad file among good ones: the good ones are still reported, the exit status fails.
+    let out = gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        textfile.as_os_str(),
+        trace("decode.pickle").as_os_str(),
+    ]);
+    assert_fails_naming(&out, &textfile, "a text file before a good trace");
+    assert_eq!(text(&out.stdout).lines().count(), 1);
+}
+
+fn event(action: &str, addr: u64, size: u64) -> TestEvent {
+    TestEvent {
+        action: action.into(),
+        addr: Some(addr),
+        size: Some(size),
+        stream: Some(0),
+    }
+}
+
+/// A small snapshot whose event 3 frees an address that was never allocated.
+fn write_bogus_free_trace(dir: &Path) -> PathBuf {
+    let snapshot = TestSnapshot {
+        device_traces: vec![vec![
+            event("segment_alloc", 1 << 30, 4 << 20),
+            event("alloc", 1 << 30, 1 << 20),
+            event("alloc", (1 << 30) + (1 << 20), 1 << 20),
+            event("free_completed", 0xdead000, 512),
+            event("free_completed", 1 << 30, 1 << 20),
+        ]],
+    };
+    let path = dir.join("bogus-free.pickle");
+    std::fs::write(&path, deser_pickle::to_vec(&snapshot).unwrap()).unwrap();
+    path
+}
+
+#[test]
+fn frees_of_unknown_addresses_are_counted_or_fatal_with_strict() {
+    let dir = scratch("strict");
+    let path = write_bogus_free_trace(&dir);
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        path.as_os_str(),
+    ]));
+    assert_eq!(rows[0]["unknown_frees"], 1);
+    assert_eq!(rows[0]["peak_active_bytes"], 2 << 20);
+
+    let out = gmlake(&["replay".as_ref(), "--strict".as_ref(), path.as_os_str()]);
+    assert_fails_naming(&out, &path, "--strict with a bogus free");
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("event 3") && stderr.contains("0xdead000"),
+        "{stderr}"
+    );
+
+    // The bundled traces have no such frees.
+    let out = gmlake(&[
+        "replay".as_ref(),
+        "--strict".as_ref(),
+        trace("moe-3steps-real.pickle").as_os_str(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+#[test]
+fn capacity_below_peak_active_does_not_fit() {
+    let path = trace("decode.pickle");
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        "--capacity".as_ref(),
+        "200MiB".as_ref(),
+        path.as_os_str(),
+    ]));
+    let row = &rows[0];
+    assert!(row["peak_active_bytes"].as_u64().unwrap() > 200 << 20);
+    assert_eq!(row["capacity_bytes"], 200u64 << 20);
+    assert_eq!(row["fits"], false);
+    assert!(row["ooms"].as_u64().unwrap() > 0);
+    assert_eq!(row["native_fits"], false);
+    assert!(row["peak_reserved_bytes"].as_u64().unwrap() <= 200 << 20);
+
+    // Enough room: it fits, and native (402 MiB) does not fit in 350 MiB.
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        "--capacity".as_ref(),
+        "350MiB".as_ref(),
+        path.as_os_str(),
+    ]));
+    assert_eq!(rows[0]["fits"], true);
+    assert_eq!(rows[0]["native_fits"], false);
+
+    let out = gmlake(&[
+        "replay".as_ref(),
+        "--capacity".as_ref(),
+        "200MiB".as_ref(),
+        path.as_os_str(),
+    ]);
+    assert!(out.status.success());
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("native fits") && stdout.contains("no ("),
+        "{stdout}"
+    );
+    assert!(stdout.contains("does not fit in 200.0 MiB"), "{stdout}");
+}
+
+#[test]
+fn settings_are_applied_and_invalid_ones_rejected() {
+    let path = trace("decode.pickle");
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        "--set".as_ref(),
+        "stitch_strategy=largest_first".as_ref(),
+        "--set".as_ref(),
+        "fragLimit=4MiB".as_ref(),
+        path.as_os_str(),
+    ]));
+    assert_eq!(rows[0]["config"]["stitch_strategy"], "largest_first");
+    assert_eq!(rows[0]["config"]["fragLimit"], (4u64 << 20).to_string());
+
+    for bad in ["defragLevel=high", "nonsense=1", "fragLimit"] {
+        let out = gmlake(&[
+            "replay".as_ref(),
+            "--set".as_ref(),
+            bad.as_ref(),
+            path.as_os_str(),
+        ]);
+        assert!(!out.status.success(), "{bad}");
+        let stderr = text(&out.stderr);
+        let key = bad.split('=').next().unwrap();
+        assert!(stderr.contains(key), "{bad}: {stderr}");
+        if let Some((_, value)) = bad.split_once('=') {
+            assert!(stderr.contains(value), "{bad}: {stderr}");
+        }
+    }
+}
+
+#[test]
+fn plot_writes_an_svg_chart() {
+    let dir = scratch("plot");
+    let svg = dir.join("chart.svg");
+    let out = gmlake(&[
+        "replay".as_ref(),
+        "--plot".as_ref(),
+        svg.as_os_str(),
+        "--capacity".as_ref(),
+        "40GiB".as_ref(),
+        trace("stress.pickle").as_os_str(),
+        trace("decode.pickle").as_os_str(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let chart = std::fs::read_to_string(&svg).unwrap();
+    assert!(chart.starts_with("<svg"));
+    for label in [
+        "stress.pickle device 0",
+        "decode.pickle device 0",
+        "native reserved",
+        "gmlake reserved",
+        "active (trace)",
+        "capacity",
+    ] {
+        assert!(chart.contains(label), "no {label:?} in the chart");
+    }
+}
+
+#[test]
+fn trace_only_reports_the_traces_own_figures() {
+    let path = trace("moe-3steps-real.pickle");
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        "--trace-only".as_ref(),
+        path.as_os_str(),
+    ]));
+    let row = &rows[0];
+    assert_eq!(row["peak_reserved_bytes"], Value::Null);
+    assert_eq!(
+        row["peak_active_bytes"].as_u64().unwrap(),
+        peak_active(&read_snapshot(&path))[0]
+    );
+    // The README's figure for this trace: native utilization 0.728.
+    let native = row["native_utilization"].as_f64().unwrap();
+    assert!((native - 0.728).abs() < 0.001, "{native}");
+}
