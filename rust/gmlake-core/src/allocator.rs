@@ -554,12 +554,19 @@ impl State {
         self.now += 1;
         let now = self.now;
         let reuse = self.cfg.reuse_limit;
-        let addr = match self.arenas[aid as usize].find_hit(size, reuse) {
-            Some(addr) => {
-                self.with_arena(aid, |a| a.carve(addr, size, now));
-                addr
+        let addr = match self.with_arena(aid, |a| a.take_quick(size)) {
+            Some(addr) => addr,
+            None => {
+                // Not the exact size of a quick block: best fit over coalesced blocks.
+                self.with_arena(aid, Arena::flush_quick);
+                match self.arenas[aid as usize].find_hit(size, reuse) {
+                    Some(addr) => {
+                        self.with_arena(aid, |a| a.carve(addr, size, now));
+                        addr
+                    }
+                    None => self.allocate_slow(dev, requested, size, aid)?,
+                }
             }
-            None => self.allocate_slow(dev, requested, size, aid)?,
         };
         self.live.insert(
             addr,
@@ -589,6 +596,7 @@ impl State {
         size: u64,
         aid: u32,
     ) -> Result<DevicePtr> {
+        self.flush_quick();
         if self.captures == 0 {
             self.process_retired(dev, false)?;
         }
@@ -645,6 +653,13 @@ impl State {
             limit: self.limit,
             stitches: self.stats.stitches,
         })))
+    }
+
+    /// Coalesces every arena's quick blocks, so that misses see all free memory.
+    fn flush_quick(&mut self) {
+        for aid in 0..self.arenas.len() as u32 {
+            self.with_arena(aid, Arena::flush_quick);
+        }
     }
 
     fn grow_arena<D: Device>(&mut self, dev: &D, aid: u32, size: u64) -> Result<()> {
@@ -1277,6 +1292,7 @@ impl State {
     /// empty_cache: every free page back to the device, empty virtual chunks freed.
     fn release_cached<D: Device>(&mut self, dev: &D) -> Result<()> {
         self.synchronize_all(dev)?;
+        self.flush_quick();
         for h in std::mem::take(&mut self.spare) {
             self.release_page(dev, h)?;
         }
@@ -1326,7 +1342,9 @@ impl State {
                         Some(l) if l.pending => BlockState::ActivePendingFree,
                         _ => BlockState::ActiveAllocated,
                     },
-                    ArenaState::FreeMapped { .. } => BlockState::Inactive,
+                    ArenaState::FreeMapped { .. } | ArenaState::Quick { .. } => {
+                        BlockState::Inactive
+                    }
                     _ => {
                         if let Some(s) = cur.take() {
                             segments.push(s);

@@ -20,7 +20,8 @@
 use crate::allocator::GraphPoolId;
 use crate::device::{PhysHandle, StreamId};
 use crate::stats::PoolKind;
-use std::collections::{BTreeMap, BTreeSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct ArenaKey {
@@ -44,7 +45,16 @@ pub(crate) enum BlockState {
     },
     /// Pages given to a stitch elsewhere; still mapped here until their event completes.
     Retired,
+    /// Free and mapped, parked uncoalesced in the quick list of its exact size so the next
+    /// request of that size takes it in O(1). Counted as free mapped; never next to the
+    /// tree's indexes. Any miss flushes the quick lists (coalescing them) first.
+    Quick {
+        freed: u64,
+    },
 }
+
+/// How many blocks the quick lists of one arena hold before they are flushed.
+const QUICK_CAPACITY: usize = 256;
 
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Block {
@@ -88,6 +98,10 @@ pub(crate) struct Arena {
     /// FreeUnmapped blocks by (ext, addr).
     unmapped: BTreeSet<(u64, u64)>,
     pub pages: BTreeMap<u64, Page>,
+    /// size -> quick blocks of that size, lowest address first (as best fit would pick).
+    quick: rustc_hash::FxHashMap<u64, BinaryHeap<Reverse<u64>>>,
+    quick_len: usize,
+    /// Bytes and count of free mapped blocks, quick ones included.
     pub free_mapped_bytes: u64,
     pub free_mapped_count: u64,
     pub stealable_pages: u64,
@@ -110,6 +124,8 @@ impl Arena {
             by_age: BTreeSet::new(),
             unmapped: BTreeSet::new(),
             pages: BTreeMap::new(),
+            quick: rustc_hash::FxHashMap::default(),
+            quick_len: 0,
             free_mapped_bytes: 0,
             free_mapped_count: 0,
             stealable_pages: 0,
@@ -143,6 +159,10 @@ impl Arena {
 
     fn index_insert(&mut self, addr: u64, b: &Block) {
         match b.state {
+            BlockState::Quick { .. } => {
+                self.free_mapped_bytes += b.size;
+                self.free_mapped_count += 1;
+            }
             BlockState::Live => self.live_blocks += 1,
             BlockState::Retired => self.retired_blocks += 1,
             BlockState::FreeUnmapped { ext } => {
@@ -166,6 +186,10 @@ impl Arena {
 
     fn index_remove(&mut self, addr: u64, b: &Block) {
         match b.state {
+            BlockState::Quick { .. } => {
+                self.free_mapped_bytes -= b.size;
+                self.free_mapped_count -= 1;
+            }
             BlockState::Live => self.live_blocks -= 1,
             BlockState::Retired => self.retired_blocks -= 1,
             BlockState::FreeUnmapped { ext } => {
@@ -222,23 +246,6 @@ impl Arena {
             .map(|(a, p)| (a, p.size))
     }
 
-    /// Recomputes the `ext` of the unmapped blocks among the blocks touching [lo, hi) and
-    /// their neighbours, after free mapped blocks there changed.
-    fn refresh_span(&mut self, lo: u64, hi: u64) {
-        let at = self.blocks.range(..=lo).next_back().map_or(lo, |(&a, _)| a);
-        let first = self.blocks.range(..at).next_back().map_or(at, |(&a, _)| a);
-        let mut keys = Vec::with_capacity(8);
-        for (&a, _) in self.blocks.range(first..) {
-            keys.push(a);
-            if a > hi {
-                break;
-            }
-        }
-        for a in keys {
-            self.refresh_ext(a);
-        }
-    }
-
     /// Recomputes the `ext` of an unmapped block at `addr` after its predecessor changed.
     fn refresh_ext(&mut self, addr: u64) {
         let Some(b) = self.blocks.get(&addr).copied() else {
@@ -283,6 +290,7 @@ impl Arena {
                 chunk,
             },
         );
+        self.refresh_ext(addr + size);
     }
 
     fn insert_free_unmapped(&mut self, mut addr: u64, mut size: u64, chunk: u32) {
@@ -374,7 +382,6 @@ impl Arena {
             Some((&a, &b)) => (a, b),
             None => return,
         };
-        let first = addr;
         self.take(addr);
         let chunk = b.chunk;
         self.put(
@@ -420,7 +427,7 @@ impl Arena {
                         }
                     }
                 }
-                self.refresh_span(first, bend);
+                self.refresh_ext(bend.max(end));
                 break;
             }
             addr = bend;
@@ -428,17 +435,52 @@ impl Arena {
         }
     }
 
-    /// Frees a live block; returns its size.
+    /// Frees a live block into the quick list of its size; returns its size.
     pub fn release(&mut self, addr: u64, now: u64) -> Option<u64> {
-        let b = *self.blocks.get(&addr)?;
+        let b = self.blocks.get_mut(&addr)?;
         if b.state != BlockState::Live {
             return None;
         }
-        self.take(addr);
-        self.insert_free_mapped(addr, b.size, now, b.chunk);
-        self.refresh_span(addr, addr + b.size);
+        b.state = BlockState::Quick { freed: now };
+        let size = b.size;
+        self.live_blocks -= 1;
+        self.free_mapped_bytes += size;
+        self.free_mapped_count += 1;
+        self.quick.entry(size).or_default().push(Reverse(addr));
+        self.quick_len += 1;
         self.last_free = now;
-        Some(b.size)
+        if self.quick_len > QUICK_CAPACITY {
+            self.flush_quick();
+        }
+        Some(size)
+    }
+
+    /// The most recently freed quick block of exactly `size` bytes, made live again.
+    pub fn take_quick(&mut self, size: u64) -> Option<u64> {
+        let Reverse(addr) = self.quick.get_mut(&size)?.pop()?;
+        self.quick_len -= 1;
+        let b = self.blocks.get_mut(&addr)?;
+        b.state = BlockState::Live;
+        self.live_blocks += 1;
+        self.free_mapped_bytes -= size;
+        self.free_mapped_count -= 1;
+        Some(addr)
+    }
+
+    /// Moves every quick block into the coalesced free mapped blocks.
+    pub fn flush_quick(&mut self) {
+        if self.quick_len == 0 {
+            return;
+        }
+        let quick = std::mem::take(&mut self.quick);
+        for Reverse(addr) in quick.into_values().flatten() {
+            if let Some(b) = self.take(addr) {
+                if let BlockState::Quick { freed } = b.state {
+                    self.insert_free_mapped(addr, b.size, freed, b.chunk);
+                }
+            }
+        }
+        self.quick_len = 0;
     }
 
     /// Takes up to `max_pages` interior pages from the top of the free mapped block at
@@ -485,7 +527,7 @@ impl Arena {
         } else {
             self.insert_free_unmapped(s_start, s_end - s_start, b.chunk);
         }
-        self.refresh_span(addr, bend);
+        self.refresh_ext(s_end);
         let handles = (0..k)
             .filter_map(|i| self.pages.remove(&(s_start + i * self.page)))
             .map(|p| p.handle)
@@ -499,7 +541,6 @@ impl Arena {
             if b.state == BlockState::Retired {
                 self.take(addr);
                 self.insert_free_unmapped(addr, b.size, b.chunk);
-                self.refresh_span(addr, addr + b.size);
             }
         }
     }
@@ -563,7 +604,7 @@ impl Arena {
                 let (lo, hi) = (self.floor(a), self.ceil(a + b.size));
                 let mapped = |p: u64| self.pages.contains_key(&p);
                 match b.state {
-                    BlockState::Live | BlockState::FreeMapped { .. } => {
+                    BlockState::Live | BlockState::FreeMapped { .. } | BlockState::Quick { .. } => {
                         let mut p = lo;
                         while p < hi {
                             if !mapped(p) {
@@ -597,6 +638,17 @@ impl Arena {
                     return Err(format!("I4: uncoalesced free blocks at {a:#x}"));
                 }
                 match b.state {
+                    BlockState::Quick { .. } => {
+                        if !self
+                            .quick
+                            .get(&b.size)
+                            .is_some_and(|v| v.iter().any(|r| r.0 == a))
+                        {
+                            return Err(format!("I5: quick block {a:#x} not in its list"));
+                        }
+                        fm.0 += 1;
+                        fm.1 += b.size;
+                    }
                     BlockState::FreeMapped { .. } => {
                         if !self.free_mapped.contains(&(b.size, a)) {
                             return Err(format!("I5: {a:#x} missing from free_mapped"));
@@ -627,7 +679,7 @@ impl Arena {
                 self.free_mapped_bytes,
                 self.stealable_pages,
             )
-            || self.free_mapped.len() as u64 != fm.0
+            || self.free_mapped.len() + self.quick_len != fm.0 as usize
         {
             return Err(format!(
                 "I5: counters {:?} != recount {fm:?}",
