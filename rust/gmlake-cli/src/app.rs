@@ -9,6 +9,7 @@ use crate::series::Series;
 use crate::trace::{read_trace, DeviceTrace};
 use std::io::Write;
 use std::path::Path;
+use std::time::Instant;
 
 /// Exit status: everything replayed.
 pub const EXIT_OK: i32 = 0;
@@ -59,6 +60,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
     for path in &args.files {
         let name = path.display().to_string();
         progress.reading(&name);
+        let read_start = Instant::now();
         let trace = match read_trace(path) {
             Ok(t) => t,
             Err(e) => {
@@ -68,6 +70,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
                 continue;
             }
         };
+        let read_seconds = read_start.elapsed().as_secs_f64();
         if trace.devices.iter().all(|d| d.events.is_empty()) {
             progress.clear();
             eprintln!(
@@ -101,7 +104,8 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
                     continue;
                 }
             };
-            let row = Row::new(name.clone(), dev.device, capacity, &measures, ours.as_ref());
+            let mut row = Row::new(name.clone(), dev.device, capacity, &measures, ours.as_ref());
+            row.read_seconds = read_seconds;
             if args.json && writeln!(stdout, "{}", row.to_json_line()).is_err() {
                 // Standard output is gone (e.g. a closed pipe): nothing more can be reported.
                 return EXIT_FAILED;

@@ -47,6 +47,8 @@ pub struct Row {
     pub duplicate_allocs: u64,
     /// Events with an action this version does not know (ignored).
     pub unknown_actions: u64,
+    /// Wall time to read and decode the file (shared by its devices).
+    pub read_seconds: f64,
     /// Wall time of the replay loop.
     pub replay_seconds: f64,
     /// CPU time of the replay loop, allocator included.
@@ -106,6 +108,7 @@ impl Row {
             unknown_frees: m.unknown_frees,
             duplicate_allocs: m.duplicate_allocs,
             unknown_actions: m.unknown_actions,
+            read_seconds: 0.0,
             replay_seconds: m.wall_seconds,
             cpu_seconds: m.cpu_seconds,
             cpu_us_per_event: per_event(m.cpu_seconds.unwrap_or(m.wall_seconds)),
@@ -214,7 +217,7 @@ pub fn table(rows: &[Row], capacity: bool) -> String {
         "saved %",
         "stitches",
         "driver calls",
-        "µs/event",
+        "cpu µs/event",
     ];
     if capacity {
         header.extend(["fits", "native fits"]);

@@ -264,9 +264,27 @@ struct RawEvent {
 #[derive(Debug, PartialEq)]
 enum Field {
     Int(u64),
-    Str(String),
+    /// A string that names an action (decoded without allocating).
+    Action(Action),
+    Str(Box<str>),
     /// Anything else, described for the error message.
-    Other(String),
+    Other(Box<str>),
+}
+
+impl Field {
+    fn other(description: impl Into<Box<str>>) -> Field {
+        Field::Other(description.into())
+    }
+
+    /// What was found, for an error message.
+    fn describe(&self) -> String {
+        match self {
+            Field::Int(v) => format!("an integer ({v})"),
+            Field::Action(a) => format!("a string ({:?})", a.name()),
+            Field::Str(s) => format!("a string ({s:?})"),
+            Field::Other(d) => d.to_string(),
+        }
+    }
 }
 
 impl<'de> Deserialize<'de> for Field {
@@ -279,15 +297,18 @@ impl<'de> Deserialize<'de> for Field {
             Atom::U64(v) => Field::Int(v),
             Atom::I64(v) => match u64::try_from(v) {
                 Ok(v) => Field::Int(v),
-                Err(_) => Field::Other(format!("{v}")),
+                Err(_) => Field::other(format!("{v}")),
             },
-            Atom::Str(s) | Atom::Lexical(s) => Field::Str(s.into_owned()),
-            Atom::Null => Field::Other("None".into()),
-            Atom::Bool(b) => Field::Other(format!("a bool ({b})")),
-            Atom::F64(x) => Field::Other(format!("a float ({x})")),
-            Atom::Bytes(_) => Field::Other("bytes".into()),
+            Atom::Str(s) | Atom::Lexical(s) => match Action::from_name(s.as_str()) {
+                Some(a) => Field::Action(a),
+                None => Field::Str(s.as_str().into()),
+            },
+            Atom::Null => Field::other("None"),
+            Atom::Bool(b) => Field::other(format!("a bool ({b})")),
+            Atom::F64(x) => Field::other(format!("a float ({x})")),
+            Atom::Bytes(_) => Field::other("bytes"),
             // Integers beyond 64 bits and other extension values.
-            _ => Field::Other("a value of another type".into()),
+            _ => Field::other("a value of another type"),
         });
         Ok(())
     }
@@ -389,13 +410,13 @@ enum Parsed {
 /// Checks one decoded event.
 fn convert_event(ev: RawEvent) -> Result<Parsed, String> {
     let action = match ev.action {
-        Some(Field::Str(s)) => match Action::from_name(&s) {
-            Some(a) => a,
-            None => return Ok(Parsed::UnknownAction(s)),
-        },
-        Some(Field::Int(v)) => return Err(format!("'action' should be a string, found {v}")),
-        Some(Field::Other(found)) => {
-            return Err(format!("'action' should be a string, found {found}"))
+        Some(Field::Action(a)) => a,
+        Some(Field::Str(s)) => return Ok(Parsed::UnknownAction(s.into())),
+        Some(other) => {
+            return Err(format!(
+                "'action' should be a string, found {}",
+                other.describe()
+            ))
         }
         // A key set to None decodes like a missing one.
         None => return Err("missing key 'action' (or it is None)".into()),
@@ -403,13 +424,10 @@ fn convert_event(ev: RawEvent) -> Result<Parsed, String> {
     let int = |field: Option<Field>, name: &str, required: bool| -> Result<u64, String> {
         match field {
             Some(Field::Int(v)) => Ok(v),
-            Some(Field::Str(s)) => Err(format!(
-                "'{name}' of a {} event should be an integer >= 0, found a string ({s:?})",
-                action.name()
-            )),
-            Some(Field::Other(found)) => Err(format!(
-                "'{name}' of a {} event should be an integer >= 0, found {found}",
-                action.name()
+            Some(other) => Err(format!(
+                "'{name}' of a {} event should be an integer >= 0, found {}",
+                action.name(),
+                other.describe()
             )),
             None if required => Err(format!(
                 "missing key '{name}' (or it is None) in a {} event",
@@ -595,6 +613,29 @@ mod tests {
         let msg = parse(&pickle(&v)).unwrap_err().to_string();
         assert!(
             msg.contains("event 1: missing key 'action' (or it is None)"),
+            "{msg}"
+        );
+
+        let mut bad = event("alloc", 4096, 512);
+        if let P::Dict(items) = &mut bad {
+            items[2].1 = P::Str("big");
+        }
+        let v = snapshot(vec![vec![bad]]);
+        let msg = parse(&pickle(&v)).unwrap_err().to_string();
+        assert!(
+            msg.contains("event 0: 'size' of a alloc event should be an integer"),
+            "{msg}"
+        );
+        assert!(msg.contains("found a string (\"big\")"), "{msg}");
+
+        let mut bad = event("alloc", 4096, 512);
+        if let P::Dict(items) = &mut bad {
+            items[0].1 = P::Int(7);
+        }
+        let v = snapshot(vec![vec![bad]]);
+        let msg = parse(&pickle(&v)).unwrap_err().to_string();
+        assert!(
+            msg.contains("'action' should be a string, found an integer (7)"),
             "{msg}"
         );
 

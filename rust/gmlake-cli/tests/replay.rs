@@ -308,6 +308,66 @@ fn frees_of_unknown_addresses_are_counted_or_fatal_with_strict() {
 }
 
 #[test]
+fn every_device_is_replayed_separately() {
+    let dir = scratch("devices");
+    let snapshot = TestSnapshot {
+        device_traces: vec![
+            vec![
+                event("alloc", 1 << 30, 1 << 20),
+                event("free_completed", 1 << 30, 1 << 20),
+                event("alloc", 1 << 30, 2 << 20),
+            ],
+            vec![],
+            // Same addresses on another device; frees only requested.
+            vec![
+                event("segment_alloc", 1 << 30, 20 << 20),
+                event("alloc", 1 << 30, 3 << 20),
+                event("alloc", 1 << 31, 5 << 20),
+                event("free_requested", 1 << 30, 3 << 20),
+                event("free_requested", 1 << 31, 5 << 20),
+            ],
+        ],
+    };
+    let path = dir.join("devices.pickle");
+    std::fs::write(&path, deser_pickle::to_vec(&snapshot).unwrap()).unwrap();
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        path.as_os_str(),
+    ]));
+    let figures: Vec<(u64, u64, u64, &str)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["device"].as_u64().unwrap(),
+                r["events"].as_u64().unwrap(),
+                r["peak_active_bytes"].as_u64().unwrap(),
+                r["free_action"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        figures,
+        vec![
+            (0, 3, 2 << 20, "free_completed"),
+            (2, 5, 8 << 20, "free_requested")
+        ],
+        "the empty device is skipped"
+    );
+    assert_eq!(rows[1]["native_peak_reserved_bytes"], 20u64 << 20);
+    assert_eq!(rows[1]["unknown_frees"], 0);
+
+    let empty = dir.join("no-events.pickle");
+    let snapshot = TestSnapshot {
+        device_traces: vec![vec![], vec![]],
+    };
+    std::fs::write(&empty, deser_pickle::to_vec(&snapshot).unwrap()).unwrap();
+    let out = gmlake(&["replay".as_ref(), empty.as_os_str()]);
+    assert_fails_naming(&out, &empty, "a snapshot without events");
+    assert!(text(&out.stderr).contains("no events"));
+}
+
+#[test]
 fn capacity_below_peak_active_does_not_fit() {
     let path = trace("decode.pickle");
     let rows = json_rows(&gmlake(&[
