@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The test command (CI runs it through .ci/run): formatting, lints, every Rust test
+# (property tests with 10,000 random sequences), and the C++ allocator compiled and linked
+# against PyPI's torch 2.11.0 wheel and CUDA 13 headers (downloaded on first use).
+# SKIP_TORCH_BUILD=1 skips the C++ build (no network).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/ensure-rust.sh
+source scripts/ensure-rust.sh
+export GMLAKE_PROPTEST_CASES="${GMLAKE_PROPTEST_CASES:-10000}"
+start=$SECONDS
+step() { printf '\n== %s (%ss)\n' "$1" "$((SECONDS - start))"; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+step "cargo clippy -D warnings"
+cargo clippy --locked --workspace --all-targets -- -D warnings
+step "cargo test (property tests: $GMLAKE_PROPTEST_CASES sequences)"
+cargo test --locked --workspace 2>&1 | tee target/test.log
+if [ -x scripts/build-torch-ext.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
+  step "C++ allocator against the torch 2.11.0 wheel"
+  bash scripts/build-torch-ext.sh
+fi
+step "python package"
+if [ -d python/tests ]; then
+  python3 -m pytest -q python/tests
+fi
+# One closing line with the totals of every cargo test binary.
+awk '/^test result:/ {p+=$4; f+=$6; i+=$8} END {printf "\nrust: %d passed, %d failed, %d skipped\n", p, f, i}' target/test.log
+step "done"
