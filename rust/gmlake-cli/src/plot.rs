@@ -21,6 +21,10 @@ pub struct Panel<'a> {
 }
 
 const GIB: f64 = (1u64 << 30) as f64;
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// A labelled line of the chart: (event, GiB) points.
+type Line<'a> = (&'a str, RGBColor, Vec<(u64, f64)>);
 const PANEL_HEIGHT: u32 = 360;
 const WIDTH: u32 = 1100;
 
@@ -37,21 +41,36 @@ pub fn write_svg(path: &Path, panels: &[Panel]) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// The native allocator's reserved bytes at a point.
+fn native_bytes(panel: &Panel, p: &Point) -> u64 {
+    (p.native.max(0) as u64).saturating_add(panel.native_offset)
+}
+
 fn draw_panel<DB: DrawingBackend>(
     area: &DrawingArea<DB, plotters::coord::Shift>,
     panel: &Panel,
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
-    let gib = |b: u64| b as f64 / GIB;
-    let native = |p: &Point| gib((p.native.max(0) as u64).saturating_add(panel.native_offset));
-    let last_event = panel.points.last().map_or(1, |p| p.event.max(1));
-    let top = panel
+    let data_top = panel
         .points
         .iter()
-        .map(|p| gib(p.active).max(gib(p.reserved)).max(native(p)))
-        .chain(panel.capacity.map(gib))
-        .fold(0.0, f64::max)
-        .max(1.0 / 1024.0)
-        * 1.08;
+        .map(|p| p.active.max(p.reserved).max(native_bytes(panel, p)))
+        .max()
+        .unwrap_or(0);
+    // The capacity is drawn when it is within reach of the data; far above it, it would
+    // flatten every curve.
+    let capacity = panel
+        .capacity
+        .filter(|&c| c as f64 <= 2.0 * data_top as f64);
+    let top_bytes = data_top.max(capacity.unwrap_or(0)).max(1 << 20);
+    let (unit, scale) = if top_bytes >= 1 << 30 {
+        ("GiB", GIB)
+    } else {
+        ("MiB", MIB)
+    };
+    let gib = |b: u64| b as f64 / scale;
+    let native = |p: &Point| gib(native_bytes(panel, p));
+    let last_event = panel.points.last().map_or(1, |p| p.event.max(1));
+    let top = gib(top_bytes) * 1.08;
 
     let mut chart = ChartBuilder::on(area)
         .caption(&panel.title, ("sans-serif", 18))
@@ -62,39 +81,33 @@ fn draw_panel<DB: DrawingBackend>(
     chart
         .configure_mesh()
         .x_desc("event")
-        .y_desc("GiB")
+        .y_desc(unit)
         .y_label_formatter(&|y| format!("{y:.2}"))
         .light_line_style(WHITE.mix(0.0))
         .draw()?;
 
-    let line = |color: RGBColor| color.stroke_width(2);
     let native_color = RGBColor(214, 39, 40);
     let ours_color = RGBColor(31, 119, 180);
     let active_color = RGBColor(44, 160, 44);
-    chart
-        .draw_series(LineSeries::new(
-            panel.points.iter().map(|p| (p.event, native(p))),
-            line(native_color),
-        ))?
-        .label("native reserved")
-        .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], line(native_color)));
+    let mut lines: Vec<Line> = vec![(
+        "native reserved",
+        native_color,
+        panel.points.iter().map(|p| (p.event, native(p))).collect(),
+    )];
     if panel.ours {
-        chart
-            .draw_series(LineSeries::new(
-                panel.points.iter().map(|p| (p.event, gib(p.reserved))),
-                line(ours_color),
-            ))?
-            .label("gmlake reserved")
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], line(ours_color)));
+        let reserved = panel.points.iter().map(|p| (p.event, gib(p.reserved)));
+        lines.push(("gmlake reserved", ours_color, reserved.collect()));
     }
-    chart
-        .draw_series(LineSeries::new(
-            panel.points.iter().map(|p| (p.event, gib(p.active))),
-            line(active_color),
-        ))?
-        .label("active (trace)")
-        .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], line(active_color)));
-    if let Some(cap) = panel.capacity {
+    let active = panel.points.iter().map(|p| (p.event, gib(p.active)));
+    lines.push(("active (trace)", active_color, active.collect()));
+    for (label, color, points) in lines {
+        let style = color.stroke_width(2);
+        chart
+            .draw_series(LineSeries::new(points, style))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], style));
+    }
+    if let Some(cap) = capacity {
         let c = gib(cap);
         chart
             .draw_series(DashedLineSeries::new(

@@ -202,6 +202,22 @@ fn is_oom(e: &CoreError) -> bool {
     )
 }
 
+/// Frees our allocation behind a trace allocation that `action` ended, if we made one: OOM'd
+/// allocations have none and size-0 ones a null pointer, which is not freed.
+#[inline]
+fn release<B: Backend>(backend: &mut B, l: Live, action: Action) -> Result<(), ReplayErrorKind> {
+    match l.ptr {
+        Some(ptr) if ptr != 0 => backend
+            .free(ptr)
+            .map_err(|error| ReplayErrorKind::Allocator {
+                action,
+                size: l.size,
+                error,
+            }),
+        _ => Ok(()),
+    }
+}
+
 /// Calls `progress` with the number of events done every this many events.
 const PROGRESS_EVERY: usize = 1 << 13;
 
@@ -235,18 +251,8 @@ pub fn replay<B: Backend>(
                     }
                     duplicate_allocs += 1;
                     active = active.saturating_sub(old.size);
-                    if let Some(ptr) = old.ptr {
-                        if let Err(error) = backend.free(ptr) {
-                            let (action, size) = (free_action, old.size);
-                            return fail(
-                                i,
-                                ReplayErrorKind::Allocator {
-                                    action,
-                                    size,
-                                    error,
-                                },
-                            );
-                        }
+                    if let Err(kind) = release(backend, old, free_action) {
+                        return fail(i, kind);
                     }
                 }
                 let ptr = match backend.allocate(e.size, e.stream) {
@@ -276,30 +282,14 @@ pub fn replay<B: Backend>(
             a if a == free_action => match live.remove(&e.addr) {
                 Some(l) => {
                     active = active.saturating_sub(l.size);
-                    // Size-0 allocations get a null pointer, which is not freed.
-                    if let Some(ptr) = l.ptr.filter(|&p| p != 0) {
-                        if let Err(error) = backend.free(ptr) {
-                            let (action, size) = (a, l.size);
-                            return fail(
-                                i,
-                                ReplayErrorKind::Allocator {
-                                    action,
-                                    size,
-                                    error,
-                                },
-                            );
-                        }
-                        reserved = backend.reserved_bytes();
+                    if let Err(kind) = release(backend, l, a) {
+                        return fail(i, kind);
                     }
+                    reserved = backend.reserved_bytes();
                 }
                 None if options.strict => {
-                    return fail(
-                        i,
-                        ReplayErrorKind::UnknownFree {
-                            action: a,
-                            addr: e.addr,
-                        },
-                    );
+                    let (action, addr) = (a, e.addr);
+                    return fail(i, ReplayErrorKind::UnknownFree { action, addr });
                 }
                 None => unknown_frees += 1,
             },
