@@ -1,0 +1,1084 @@
+// gmlake::Impl: see gmlake_impl.h.
+#include "gmlake_impl.h"
+
+#include <c10/core/Device.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+#include <unordered_set>
+
+#include "version_compat.h"
+
+namespace gmlake {
+
+namespace {
+
+std::atomic<Impl*> g_instance{nullptr};
+
+uint64_t as_u64(const void* p) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p));
+}
+
+uint64_t stream_id(cudaStream_t s) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(s));
+}
+
+std::string human_bytes(uint64_t b) {
+  char buf[64];
+  if (b >= (1ull << 30)) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", static_cast<double>(b) / (1ull << 30));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.2f MiB", static_cast<double>(b) / (1ull << 20));
+  }
+  return buf;
+}
+
+} // namespace
+
+void local_raw_delete(void* ptr) {
+  if (ptr == nullptr) {
+    return;
+  }
+  Impl* impl = Impl::instance();
+  if (impl != nullptr) {
+    impl->free(ptr);
+  }
+}
+
+Impl::Impl(std::string conf) : conf_(std::move(conf)) {
+  Impl* expected = nullptr;
+  // One instance per process: the first one constructed is the one the deleter uses.
+  g_instance.compare_exchange_strong(expected, this);
+}
+
+Impl* Impl::instance() {
+  return g_instance.load(std::memory_order_acquire);
+}
+
+void Impl::log_once(const char* key, const std::string& msg) noexcept {
+  try {
+    std::lock_guard<std::mutex> g(log_mu_);
+    int& n = logged_[key];
+    if (n++ == 0) {
+      std::fprintf(stderr, "[gmlake] %s (logged once)\n", msg.c_str());
+      std::fflush(stderr);
+    }
+  } catch (...) {
+    // Logging must never fail an operation.
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Devices
+
+void Impl::init(int device_count) {
+  TORCH_CHECK(
+      device_count >= 0 && device_count <= kMaxDevices,
+      "gmlake: unsupported device count ",
+      device_count);
+  std::lock_guard<std::mutex> g(create_mu_);
+  for (int i = 0; i < device_count; ++i) {
+    if (!devices_[i]) {
+      auto ds = std::make_unique<DeviceState>();
+      ds->index = i;
+      devices_[i] = std::move(ds);
+    }
+  }
+  if (device_count > device_count_.load()) {
+    device_count_.store(device_count, std::memory_order_release);
+  }
+}
+
+Impl::DeviceState& Impl::state(int device) {
+  TORCH_CHECK(
+      device >= 0 && device < device_count_.load(std::memory_order_acquire) && devices_[device],
+      "gmlake: allocator not initialized for device ",
+      device,
+      " (",
+      device_count_.load(),
+      " device(s) initialized): did CUDA initialize?");
+  return *devices_[device];
+}
+
+const ffi::Gmlake* Impl::core_if_created(int device) {
+  if (device < 0 || device >= device_count_.load(std::memory_order_acquire) || !devices_[device]) {
+    return nullptr;
+  }
+  return devices_[device]->core.load(std::memory_order_acquire);
+}
+
+const ffi::Gmlake& Impl::core(int device) {
+  DeviceState& ds = state(device);
+  ffi::Gmlake* c = ds.core.load(std::memory_order_acquire);
+  if (C10_LIKELY(c != nullptr)) {
+    return *c;
+  }
+  std::lock_guard<std::mutex> g(create_mu_);
+  c = ds.core.load(std::memory_order_acquire);
+  if (c != nullptr) {
+    return *c;
+  }
+  try {
+    // The Rust side retains the device's primary context (the runtime's) and makes it
+    // current around its own driver calls.
+    rust::Box<ffi::Gmlake> box = ffi::new_cuda_allocator(device, rust::Str(conf_));
+    if (tracing_.load()) {
+      box->set_history(1 << 16);
+    }
+    c = box.into_raw();
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: cannot create the allocator of CUDA device ", device, ": ", e.what());
+  }
+  // Leaked on purpose: the allocator lives as long as the process (tensors may be freed
+  // during interpreter shutdown).
+  ds.core.store(c, std::memory_order_release);
+  created_.fetch_add(1);
+  return *c;
+}
+
+int Impl::owner_of(const void* ptr) {
+  const int n = device_count_.load(std::memory_order_acquire);
+  if (created_.load(std::memory_order_acquire) <= 1) {
+    for (int d = 0; d < n; ++d) {
+      if (core_if_created(d) != nullptr) {
+        return d;
+      }
+    }
+    return -1;
+  }
+  // Several devices in use: ask the runtime which device the address belongs to.
+  cudaPointerAttributes attr{};
+  cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+  if (err == cudaSuccess && attr.type == cudaMemoryTypeDevice && attr.device >= 0 &&
+      attr.device < n && core_if_created(attr.device) != nullptr) {
+    return attr.device;
+  }
+  (void)cudaGetLastError();
+  // Fall back on asking each allocator.
+  for (int d = 0; d < n; ++d) {
+    const ffi::Gmlake* c = core_if_created(d);
+    if (c != nullptr) {
+      try {
+        if (c->allocation(as_u64(ptr)).found) {
+          return d;
+        }
+      } catch (const std::exception&) {
+      }
+    }
+  }
+  return -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// History helpers
+
+ContextPtr Impl::gather(When needed) {
+  ContextRecorder rec = nullptr;
+  {
+    std::lock_guard<std::mutex> g(hist_mu_);
+    if (static_cast<int>(when_) < static_cast<int>(needed)) {
+      return nullptr;
+    }
+    rec = recorder_;
+  }
+  return rec ? rec() : nullptr;
+}
+
+void Impl::push_trace(DeviceState& ds, TraceRec rec) {
+  // Caller holds ds.trace_mu. Settings are read under hist_mu_ (lock order: trace_mu, hist_mu_).
+  std::vector<TraceTracker> trackers;
+  bool keep = false;
+  size_t cap = 0;
+  {
+    std::lock_guard<std::mutex> g(hist_mu_);
+    if (skip_[static_cast<size_t>(rec.action)]) {
+      return;
+    }
+    keep = record_history_;
+    cap = max_entries_;
+    trackers = trackers_;
+    if (!compile_stack_.empty()) {
+      rec.compile_context = compile_stack_.back();
+    }
+    rec.user_metadata = user_metadata_;
+  }
+  for (const auto& t : trackers) {
+    t(rec);
+  }
+  if (keep && cap > 0) {
+    ds.trace.push_back(std::move(rec));
+    while (ds.trace.size() > cap) {
+      ds.trace.pop_front();
+    }
+  }
+}
+
+void Impl::drain(DeviceState& ds, const ContextPtr& alloc_ctx, const ContextPtr& free_ctx) {
+  // Caller holds ds.trace_mu.
+  ffi::Gmlake* c = ds.core.load(std::memory_order_acquire);
+  if (c == nullptr) {
+    return;
+  }
+  rust::Vec<ffi::TraceRecord> events;
+  try {
+    events = c->take_history();
+  } catch (const rust::Error& e) {
+    log_once("take_history", std::string("gmlake: cannot read the allocator's history: ") + e.what());
+    return;
+  }
+  When when;
+  {
+    std::lock_guard<std::mutex> g(hist_mu_);
+    when = when_;
+  }
+  for (const auto& ev : events) {
+    if (ev.action > static_cast<uint8_t>(Action::OOM)) {
+      continue;
+    }
+    Action a = static_cast<Action>(ev.action);
+    ContextPtr ctx;
+    switch (a) {
+      case Action::FREE_REQUESTED:
+      case Action::FREE_COMPLETED:
+        ctx = when >= When::ALL ? free_ctx : nullptr;
+        break;
+      default:
+        ctx = when >= When::ALLOC ? (alloc_ctx ? alloc_ctx : free_ctx) : nullptr;
+        break;
+    }
+    PoolId pool{0, 0};
+    push_trace(
+        ds,
+        TraceRec{
+            a,
+            ds.index,
+            ev.addr,
+            ev.size,
+            reinterpret_cast<void*>(static_cast<uintptr_t>(ev.stream)),
+            pool,
+            c10::getApproximateTime(),
+            std::move(ctx),
+            std::string(),
+            std::string()});
+  }
+}
+
+void Impl::refresh_tracing() {
+  bool on;
+  {
+    std::lock_guard<std::mutex> g(hist_mu_);
+    on = record_history_ || !trackers_.empty();
+  }
+  const bool was = tracing_.exchange(on);
+  if (was == on) {
+    return;
+  }
+  const int n = device_count_.load();
+  for (int d = 0; d < n; ++d) {
+    ffi::Gmlake* c = devices_[d] ? devices_[d]->core.load() : nullptr;
+    if (c != nullptr) {
+      std::lock_guard<std::mutex> g(devices_[d]->trace_mu);
+      try {
+        c->set_history(on ? (1 << 16) : 0);
+      } catch (const rust::Error& e) {
+        TORCH_CHECK(false, "gmlake: ", e.what());
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Allocation
+
+void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
+  const ffi::Gmlake& c = core(device);
+  DeviceState& ds = *devices_[device];
+
+  // CUDA graph capture (or use_mem_pool): route to the pool whose filter accepts the stream.
+  bool in_pool = false;
+  PoolId pool{0, 0};
+  if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
+    std::lock_guard<std::mutex> g(ds.pool_mu);
+    for (auto it = ds.routes.rbegin(); it != ds.routes.rend(); ++it) {
+      if (it->second(stream)) {
+        pool = it->first;
+        in_pool = true;
+        break;
+      }
+    }
+  }
+
+  const uint64_t sid = stream_id(stream);
+  auto call = [&]() -> ffi::AllocOutcome {
+    return in_pool ? c.allocate_in_pool(nbytes, sid, pool.first, pool.second)
+                   : c.allocate(nbytes, sid);
+  };
+
+  ffi::AllocOutcome r;
+  if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
+    r = call();
+  } else {
+    ContextPtr ctx = gather(When::STATE);
+    std::lock_guard<std::mutex> g(ds.trace_mu);
+    r = call();
+    drain(ds, ctx, nullptr);
+    if (r.status == 0 && r.ptr != 0 && ctx) {
+      ds.contexts[r.ptr] = ctx;
+    }
+    if (r.status == 1) {
+      // The core records no OOM event of its own in every build: add PyTorch's.
+      push_trace(
+          ds,
+          TraceRec{
+              Action::OOM,
+              device,
+              r.device_free,
+              nbytes,
+              stream,
+              pool,
+              c10::getApproximateTime(),
+              nullptr,
+              std::string(),
+              std::string()});
+    }
+  }
+
+  if (C10_LIKELY(r.status == 0)) {
+    void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(r.ptr));
+    if (p != nullptr) {
+      compat::trace_gpu_alloc(p);
+      if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+        try {
+          ffi::Stats s = c.stats();
+          c10::reportMemoryUsageToProfiler(
+              p,
+              static_cast<int64_t>(nbytes),
+              static_cast<size_t>(s.allocated_bytes[0].current),
+              static_cast<size_t>(s.reserved_bytes[0].current),
+              c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+        } catch (const rust::Error&) {
+        }
+      }
+    }
+    return p;
+  }
+  if (r.status == 1) {
+    raise_oom(device, r, nbytes, stream);
+  }
+  TORCH_CHECK(
+      false,
+      "gmlake: allocation of ",
+      nbytes,
+      " bytes on CUDA device ",
+      device,
+      " failed: ",
+      std::string(r.message));
+}
+
+void Impl::raise_oom(int device, const ffi::AllocOutcome& r, size_t nbytes, cudaStream_t stream) {
+  std::vector<OomObserver> observers;
+  {
+    std::lock_guard<std::mutex> g(hist_mu_);
+    observers = oom_observers_;
+  }
+  const uint64_t total = r.limit != 0 ? r.limit : r.device_total;
+  for (const auto& obs : observers) {
+    obs(device, static_cast<size_t>(r.allocated), static_cast<size_t>(total),
+        static_cast<size_t>(r.device_free));
+  }
+  c10::reportOutOfMemoryToProfiler(
+      static_cast<int64_t>(nbytes),
+      static_cast<size_t>(r.allocated),
+      static_cast<size_t>(r.reserved),
+      c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  std::string msg = std::string(r.message);
+  TORCH_CHECK_WITH(
+      OutOfMemoryError,
+      false,
+      "CUDA out of memory. GPU ",
+      device,
+      " (gmlake allocator): ",
+      msg,
+      ". Including memory not managed by gmlake, the device has ",
+      human_bytes(r.device_free),
+      " free of ",
+      human_bytes(r.device_total),
+      ".");
+}
+
+c10::DataPtr Impl::allocate(size_t nbytes) {
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  void* p = malloc_on(device, nbytes, stream);
+  return {p, p, &local_raw_delete, c10::Device(c10::DeviceType::CUDA, device)};
+}
+
+void* Impl::raw_alloc(size_t nbytes) {
+  if (nbytes == 0) {
+    return nullptr;
+  }
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  return malloc_on(device, nbytes, stream);
+}
+
+void* Impl::raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) {
+  if (nbytes == 0) {
+    return nullptr;
+  }
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  return malloc_on(device, nbytes, stream);
+}
+
+void Impl::free(void* ptr) noexcept {
+  if (ptr == nullptr) {
+    return;
+  }
+  try {
+    const int device = owner_of(ptr);
+    if (device < 0) {
+      log_once(
+          "foreign-free",
+          "ignoring a free of a pointer that gmlake did not allocate (allocated before gmlake "
+          "was installed?)");
+      return;
+    }
+    DeviceState& ds = *devices_[device];
+    const ffi::Gmlake& c = *ds.core.load(std::memory_order_acquire);
+    const uint64_t p = as_u64(ptr);
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      try {
+        ffi::AllocationRecord a = c.allocation(p);
+        ffi::Stats s = c.stats();
+        if (a.found) {
+          c10::reportMemoryUsageToProfiler(
+              ptr,
+              -static_cast<int64_t>(a.requested),
+              static_cast<size_t>(s.allocated_bytes[0].current - static_cast<int64_t>(a.size)),
+              static_cast<size_t>(s.reserved_bytes[0].current),
+              c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+        }
+      } catch (const std::exception&) {
+      }
+    }
+    ffi::FreeOutcome r;
+    if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
+      r = c.free_ptr(p);
+    } else {
+      ContextPtr ctx = gather(When::ALL);
+      std::lock_guard<std::mutex> g(ds.trace_mu);
+      r = c.free_ptr(p);
+      drain(ds, nullptr, ctx);
+      ds.contexts.erase(p);
+    }
+    switch (r.status) {
+      case 0:
+        compat::trace_gpu_free(ptr);
+        break;
+      case 1:
+        log_once(
+            "foreign-free",
+            "ignoring a free of a pointer that gmlake did not allocate (allocated before gmlake "
+            "was installed?): " +
+                std::string(r.message));
+        return;
+      case 2:
+        std::fprintf(stderr, "[gmlake] warning: %s\n", std::string(r.message).c_str());
+        return;
+      default:
+        std::fprintf(stderr, "[gmlake] error while freeing %p: %s\n", ptr, std::string(r.message).c_str());
+        return;
+    }
+    if (C10_UNLIKELY(!enabled_.load(std::memory_order_relaxed))) {
+      // Caching disabled (torch.cuda.memory.caching_allocator_enable(False)): give the
+      // memory back at once, as PyTorch's uncached mode does.
+      try {
+        c.empty_cache();
+      } catch (const rust::Error& e) {
+        log_once("uncached-empty", std::string("gmlake: empty_cache after free failed: ") + e.what());
+      }
+    }
+  } catch (const std::exception& e) {
+    try {
+      std::fprintf(stderr, "[gmlake] error while freeing %p: %s\n", ptr, e.what());
+    } catch (...) {
+    }
+  } catch (...) {
+    std::fprintf(stderr, "[gmlake] unknown error while freeing %p\n", ptr);
+  }
+}
+
+void Impl::record_stream(void* ptr, c10::DeleterFnPtr deleter, int device, cudaStream_t stream) {
+  if (ptr == nullptr) {
+    return;
+  }
+  // Not ours (e.g. a tensor shared from another process, or from_blob): nothing to do, as
+  // PyTorch's allocator.
+  if (deleter != &local_raw_delete) {
+    return;
+  }
+  int d = device;
+  if (core_if_created(d) == nullptr) {
+    d = owner_of(ptr);
+  }
+  if (d < 0 || core_if_created(d) == nullptr) {
+    log_once("foreign-record", "ignoring record_stream on a pointer that gmlake did not allocate");
+    return;
+  }
+  ffi::FreeOutcome r = core_if_created(d)->record_stream(as_u64(ptr), stream_id(stream));
+  if (r.status == 1) {
+    log_once(
+        "foreign-record",
+        "ignoring record_stream on a pointer that gmlake did not allocate: " + std::string(r.message));
+    return;
+  }
+  TORCH_CHECK(r.status == 0, "gmlake: record_stream failed: ", std::string(r.message));
+}
+
+void* Impl::base_allocation(void* ptr, size_t* size) {
+  const int d = owner_of(ptr);
+  if (d >= 0) {
+    ffi::AllocationRecord a;
+    try {
+      a = core_if_created(d)->allocation(as_u64(ptr));
+    } catch (const rust::Error& e) {
+      TORCH_CHECK(false, "gmlake: ", e.what());
+    }
+    if (a.found) {
+      if (size != nullptr) {
+        *size = static_cast<size_t>(a.size);
+      }
+      return reinterpret_cast<void*>(static_cast<uintptr_t>(a.ptr));
+    }
+  }
+  log_once(
+      "foreign-base",
+      "getBaseAllocation on a pointer that gmlake did not allocate: returning the pointer itself "
+      "with size 0");
+  if (size != nullptr) {
+    *size = 0;
+  }
+  return ptr;
+}
+
+void Impl::copy_data(void* dest, const void* src, size_t count) const {
+  C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Caching
+
+void Impl::empty_cache(PoolId /*pool*/) {
+  // The core returns every cached page it may (pages of live graph pools stay mapped, since a
+  // replay uses their addresses), whichever pool is named.
+  const int n = device_count_.load();
+  for (int d = 0; d < n; ++d) {
+    const ffi::Gmlake* c = core_if_created(d);
+    if (c == nullptr) {
+      continue;
+    }
+    DeviceState& ds = *devices_[d];
+    try {
+      if (tracing_.load()) {
+        ContextPtr ctx = gather(When::ALLOC);
+        std::lock_guard<std::mutex> g(ds.trace_mu);
+        c->empty_cache();
+        drain(ds, ctx, nullptr);
+      } else {
+        c->empty_cache();
+      }
+    } catch (const rust::Error& e) {
+      TORCH_CHECK(false, "gmlake: empty_cache on device ", d, " failed: ", e.what());
+    }
+  }
+}
+
+void Impl::cache_info(int device, size_t* largest_block) {
+  TORCH_CHECK(largest_block != nullptr, "gmlake: cacheInfo needs an output pointer");
+  const ffi::Gmlake& c = core(device);
+  try {
+    ffi::CacheInfoRecord ci = c.cache_info();
+    size_t candidate = *largest_block;
+    if (candidate == 0) {
+      // As PyTorch: start from what the device can still hand out; gmlake can add every cached
+      // page to a new mapping (a stitch), so cached bytes count too, where stitching is on.
+      ffi::MemInfo mi = c.memory_info();
+      uint64_t free_bytes = mi.free;
+      const uint64_t limit = c.limit();
+      if (limit != 0) {
+        ffi::Stats s = c.stats();
+        const uint64_t reserved = static_cast<uint64_t>(std::max<int64_t>(0, s.reserved_bytes[0].current));
+        free_bytes = std::min<uint64_t>(free_bytes, limit > reserved ? limit - reserved : 0);
+      }
+      const uint64_t page = c.page_size();
+      if (page != 0) {
+        free_bytes = free_bytes / page * page;
+      }
+      candidate = static_cast<size_t>(free_bytes);
+      if (c.may_stitch(candidate + ci.cached_free_bytes)) {
+        candidate += static_cast<size_t>(ci.cached_free_bytes);
+      }
+    }
+    *largest_block = std::max<size_t>(candidate, static_cast<size_t>(ci.largest_free_block));
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: cacheInfo on device ", device, " failed: ", e.what());
+  }
+}
+
+void Impl::set_memory_fraction(double fraction, int device) {
+  TORCH_CHECK(
+      fraction >= 0 && fraction <= 1,
+      "invalid fraction: ",
+      fraction,
+      ". Please set within [0, 1].");
+  const ffi::Gmlake& c = core(device);
+  try {
+    if (fraction == 0) {
+      // PyTorch accepts 0 (nothing may be allocated); gmlake's fraction is (0, 1]: a limit of
+      // one byte has the same effect.
+      c.set_limit(1);
+    } else {
+      c.set_memory_fraction(fraction);
+    }
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+double Impl::memory_fraction(int device) {
+  const ffi::Gmlake& c = core(device);
+  try {
+    const double f = c.memory_fraction();
+    return f < 0 ? 1.0 : f;
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statistics and snapshots
+
+ffi::Stats Impl::stats(int device, bool* present) {
+  state(device); // checks the index
+  const ffi::Gmlake* c = core_if_created(device);
+  if (c == nullptr) {
+    *present = false;
+    return ffi::Stats{};
+  }
+  *present = true;
+  try {
+    return c->stats();
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: ", e.what());
+  }
+}
+
+void Impl::reset_accumulated_stats(int device) {
+  state(device);
+  const ffi::Gmlake* c = core_if_created(device);
+  if (c != nullptr) {
+    try {
+      c->reset_accumulated_stats();
+    } catch (const rust::Error& e) {
+      TORCH_CHECK(false, "gmlake: ", e.what());
+    }
+  }
+}
+
+void Impl::reset_peak_stats(int device) {
+  state(device);
+  const ffi::Gmlake* c = core_if_created(device);
+  if (c != nullptr) {
+    try {
+      c->reset_peak_stats();
+    } catch (const rust::Error& e) {
+      TORCH_CHECK(false, "gmlake: ", e.what());
+    }
+  }
+}
+
+std::string Impl::stats_json(int device) {
+  state(device);
+  const ffi::Gmlake* c = core_if_created(device);
+  if (c == nullptr) {
+    return "{}";
+  }
+  try {
+    return std::string(c->stats_json());
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: ", e.what());
+  }
+}
+
+std::string Impl::snapshot_json(int device) {
+  state(device);
+  const ffi::Gmlake* c = core_if_created(device);
+  if (c == nullptr) {
+    return "{}";
+  }
+  try {
+    return std::string(c->snapshot_json());
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: ", e.what());
+  }
+}
+
+std::string Impl::settings_string() {
+  std::ostringstream out;
+  out << "backend:gmlake";
+  try {
+    rust::Vec<ffi::KeyValue> kv;
+    const ffi::Gmlake* c = nullptr;
+    for (int d = 0; d < device_count_.load() && c == nullptr; ++d) {
+      c = core_if_created(d);
+    }
+    kv = c != nullptr ? c->config() : ffi::check_conf(rust::Str(conf_));
+    for (const auto& p : kv) {
+      out << "," << std::string(p.key) << ":" << std::string(p.value);
+    }
+  } catch (const rust::Error& e) {
+    out << ",error:" << e.what();
+  }
+  return out.str();
+}
+
+SnapshotData Impl::snapshot(PoolId pool, bool include_traces) {
+  SnapshotData out;
+  const bool filter = pool != PoolId{0, 0};
+  const int n = device_count_.load();
+  out.traces.resize(static_cast<size_t>(n));
+  for (int d = 0; d < n; ++d) {
+    const ffi::Gmlake* c = core_if_created(d);
+    if (c == nullptr) {
+      continue;
+    }
+    DeviceState& ds = *devices_[d];
+    ffi::SnapshotRecord snap;
+    try {
+      snap = c->snapshot();
+    } catch (const rust::Error& e) {
+      TORCH_CHECK(false, "gmlake: snapshot of device ", d, " failed: ", e.what());
+    }
+    std::lock_guard<std::mutex> g(ds.trace_mu);
+    for (const auto& seg : snap.segments) {
+      if (filter && (seg.pool_first != pool.first || seg.pool_second != pool.second)) {
+        continue;
+      }
+      SegmentRec s;
+      s.device = d;
+      s.address = seg.address;
+      s.total_size = seg.total_size;
+      s.requested_size = seg.requested_size;
+      s.allocated_size = seg.allocated_size;
+      s.active_size = seg.active_size;
+      s.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(seg.stream));
+      s.is_large = seg.is_large;
+      s.stitched = seg.stitched;
+      s.pool = PoolId{seg.pool_first, seg.pool_second};
+      // Blocks in address order, gaps filled with inactive blocks, clipped to the segment, so
+      // that PyTorch's address arithmetic (segment address + sizes so far) holds.
+      std::vector<const ffi::BlockRecord*> blocks;
+      blocks.reserve(seg.blocks.size());
+      for (const auto& b : seg.blocks) {
+        blocks.push_back(&b);
+      }
+      std::sort(blocks.begin(), blocks.end(), [](auto* a, auto* b) { return a->address < b->address; });
+      const uint64_t end = seg.address + seg.total_size;
+      uint64_t at = seg.address;
+      for (const auto* b : blocks) {
+        if (b->address < at || b->address >= end) {
+          continue; // overlapping or outside: not representable
+        }
+        if (b->address > at) {
+          BlockRec gap;
+          gap.size = b->address - at;
+          s.blocks.push_back(gap);
+        }
+        BlockRec br;
+        br.size = std::min<uint64_t>(b->size, end - b->address);
+        br.requested_size = b->requested_size;
+        br.allocated = b->state == 0;
+        br.active = b->state != 2;
+        br.stitched = b->stitched;
+        if (br.allocated) {
+          auto it = ds.contexts.find(b->address);
+          if (it != ds.contexts.end()) {
+            br.context = it->second;
+          }
+        }
+        s.blocks.push_back(std::move(br));
+        at = b->address + s.blocks.back().size;
+      }
+      if (at < end) {
+        BlockRec gap;
+        gap.size = end - at;
+        s.blocks.push_back(gap);
+      }
+      out.segments.push_back(std::move(s));
+    }
+    if (include_traces) {
+      out.traces[static_cast<size_t>(d)].assign(ds.trace.begin(), ds.trace.end());
+      out.annotations.insert(out.annotations.end(), ds.annotations.begin(), ds.annotations.end());
+    }
+  }
+  out.settings = settings_string();
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA graph pools
+
+void Impl::begin_allocate_to_pool(int device, PoolId pool, StreamFilter filter) {
+  const ffi::Gmlake& c = core(device);
+  DeviceState& ds = *devices_[device];
+  std::lock_guard<std::mutex> g(ds.pool_mu);
+  for (const auto& r : ds.routes) {
+    TORCH_CHECK(r.first != pool, "beginAllocateToPool: already recording to mempool_id");
+  }
+  try {
+    c.begin_capture(pool.first, pool.second);
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: beginAllocateToPool: ", e.what());
+  }
+  ds.pool_use[pool] += 1;
+  ds.routes.emplace_back(pool, std::move(filter));
+  ds.n_routes.store(static_cast<int>(ds.routes.size()), std::memory_order_release);
+}
+
+void Impl::end_allocate_to_pool(int device, PoolId pool) {
+  const ffi::Gmlake& c = core(device);
+  DeviceState& ds = *devices_[device];
+  std::lock_guard<std::mutex> g(ds.pool_mu);
+  auto it = std::find_if(ds.routes.begin(), ds.routes.end(), [&](const auto& r) { return r.first == pool; });
+  TORCH_CHECK(it != ds.routes.end(), "endAllocateToPool: not currently recording to mempool_id");
+  ds.routes.erase(it);
+  ds.n_routes.store(static_cast<int>(ds.routes.size()), std::memory_order_release);
+  try {
+    c.end_capture(pool.first, pool.second);
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: endAllocateToPool: ", e.what());
+  }
+}
+
+void Impl::release_pool(int device, PoolId pool) noexcept {
+  // Called from CUDAGraph's destructor: must not throw.
+  try {
+    const ffi::Gmlake* c = core_if_created(device);
+    if (c == nullptr) {
+      return;
+    }
+    DeviceState& ds = *devices_[device];
+    std::lock_guard<std::mutex> g(ds.pool_mu);
+    auto it = ds.pool_use.find(pool);
+    if (it == ds.pool_use.end() || it->second <= 0) {
+      log_once("release-unknown-pool", "releasePool on a pool gmlake does not know: ignored");
+      return;
+    }
+    if (--it->second == 0) {
+      ds.pool_use.erase(it);
+      c->release_pool(pool.first, pool.second);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "[gmlake] releasePool failed: %s\n", e.what());
+  }
+}
+
+void Impl::create_or_incref_pool(int device, PoolId pool) {
+  core(device);
+  DeviceState& ds = *devices_[device];
+  std::lock_guard<std::mutex> g(ds.pool_mu);
+  ds.pool_use[pool] += 1;
+}
+
+int Impl::pool_use_count(int device, PoolId pool) {
+  if (core_if_created(device) == nullptr) {
+    return 0;
+  }
+  DeviceState& ds = *devices_[device];
+  std::lock_guard<std::mutex> g(ds.pool_mu);
+  auto it = ds.pool_use.find(pool);
+  return it == ds.pool_use.end() ? 0 : it->second;
+}
+
+bool Impl::check_pool_live_allocations(
+    int device,
+    PoolId pool,
+    const std::vector<void*>& expected_live) {
+  const ffi::Gmlake& c = core(device);
+  ffi::SnapshotRecord snap;
+  try {
+    snap = c.snapshot();
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: ", e.what());
+  }
+  std::unordered_set<uint64_t> expected;
+  for (void* p : expected_live) {
+    expected.insert(as_u64(p));
+  }
+  size_t live = 0;
+  for (const auto& seg : snap.segments) {
+    if (seg.pool_first != pool.first || seg.pool_second != pool.second) {
+      continue;
+    }
+    for (const auto& b : seg.blocks) {
+      if (b.state == 0) {
+        if (expected.count(b.address) == 0) {
+          return false;
+        }
+        ++live;
+      }
+    }
+  }
+  return live == expected.size();
+}
+
+// ---------------------------------------------------------------------------------------------
+// History
+
+void Impl::record_history(
+    bool enabled,
+    ContextRecorder recorder,
+    size_t max_entries,
+    When when,
+    bool clear,
+    const std::vector<Action>& skip) {
+  TORCH_CHECK(when == When::NEVER || recorder != nullptr, "gmlake: recordHistory needs a context recorder");
+  {
+    std::lock_guard<std::mutex> g(hist_mu_);
+    record_history_ = enabled;
+    recorder_ = enabled ? recorder : nullptr;
+    max_entries_ = max_entries;
+    when_ = enabled ? when : When::NEVER;
+    skip_.fill(false);
+    for (Action a : skip) {
+      skip_[static_cast<size_t>(a)] = true;
+    }
+  }
+  if (!enabled || clear) {
+    const int n = device_count_.load();
+    for (int d = 0; d < n; ++d) {
+      if (devices_[d]) {
+        std::lock_guard<std::mutex> g(devices_[d]->trace_mu);
+        devices_[d]->trace.clear();
+        devices_[d]->annotations.clear();
+        if (!enabled) {
+          devices_[d]->contexts.clear();
+        }
+      }
+    }
+  }
+  refresh_tracing();
+}
+
+bool Impl::history_enabled() {
+  std::lock_guard<std::mutex> g(hist_mu_);
+  return record_history_;
+}
+
+void Impl::record_annotation(std::vector<std::pair<std::string, std::string>> md) {
+  size_t cap;
+  {
+    std::lock_guard<std::mutex> g(hist_mu_);
+    if (!record_history_) {
+      return;
+    }
+    cap = max_entries_;
+  }
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  if (device < 0 || device >= device_count_.load() || !devices_[device]) {
+    return;
+  }
+  DeviceState& ds = *devices_[device];
+  std::lock_guard<std::mutex> g(ds.trace_mu);
+  ds.annotations.push_back(AnnotationRec{device, c10::getApproximateTime(), std::move(md)});
+  while (ds.annotations.size() > std::max<size_t>(cap, 1)) {
+    ds.annotations.pop_front();
+  }
+}
+
+void Impl::push_compile_context(std::string ctx) {
+  std::lock_guard<std::mutex> g(hist_mu_);
+  if (record_history_) {
+    compile_stack_.push_back(std::move(ctx));
+  }
+}
+
+void Impl::pop_compile_context() {
+  std::lock_guard<std::mutex> g(hist_mu_);
+  if (!compile_stack_.empty()) {
+    compile_stack_.pop_back();
+  }
+}
+
+void Impl::set_user_metadata(std::string md) {
+  std::lock_guard<std::mutex> g(hist_mu_);
+  user_metadata_ = std::move(md);
+}
+
+std::string Impl::user_metadata() {
+  std::lock_guard<std::mutex> g(hist_mu_);
+  return user_metadata_;
+}
+
+void Impl::attach_oom_observer(OomObserver obs) {
+  std::lock_guard<std::mutex> g(hist_mu_);
+  oom_observers_.push_back(std::move(obs));
+}
+
+void Impl::attach_trace_tracker(TraceTracker tracker) {
+  {
+    std::lock_guard<std::mutex> g(hist_mu_);
+    trackers_.push_back(std::move(tracker));
+  }
+  refresh_tracing();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peers and copies
+
+void Impl::enable_peer_access(int dev, int dev_to_access) {
+  {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(dev));
+    cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  }
+  // gmlake's memory is mapped with cuMemMap: peer access is granted per mapping.
+  const ffi::Gmlake& c = core(dev_to_access);
+  try {
+    c.add_peer(dev);
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: enablePeerAccess(", dev, ", ", dev_to_access, "): ", e.what());
+  }
+}
+
+cudaError_t Impl::memcpy_async(
+    void* dst,
+    int dst_device,
+    const void* src,
+    int src_device,
+    size_t count,
+    cudaStream_t stream,
+    bool p2p_enabled) {
+  // All of gmlake's memory is mapped with cuMemMap: across devices without peer access only
+  // cudaMemcpyPeerAsync works (see the note in PyTorch's CUDACachingAllocator.h).
+  if (p2p_enabled || dst_device == src_device) {
+    return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+  }
+  return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+}
+
+} // namespace gmlake

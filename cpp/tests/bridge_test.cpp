@@ -1,0 +1,100 @@
+// The cxx bridge from C++, over the simulated device: no GPU, no torch. Checks that results,
+// out-of-memory outcomes and errors (thrown as rust::Error) arrive as documented.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "rust/cxx.h"
+#include "gmlake-ffi/src/lib.rs.h"
+
+namespace ffi = gmlake::ffi;
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                                  \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                                  \
+      std::fprintf(stderr, "\n");                                         \
+      ++failures;                                                         \
+    }                                                                     \
+  } while (0)
+
+static constexpr uint64_t MiB = 1ull << 20;
+
+int main() {
+  // A bad configuration throws rust::Error naming the key and the value.
+  try {
+    ffi::check_conf("defragLevel:high");
+    CHECK(false, "no exception for an invalid configuration");
+  } catch (const rust::Error& e) {
+    std::string m = e.what();
+    CHECK(m.find("defragLevel") != std::string::npos && m.find("high") != std::string::npos, "%s", m.c_str());
+  }
+
+  rust::Box<ffi::Gmlake> a = ffi::new_simulated_allocator(64 * MiB, 0, "");
+  CHECK(std::string(a->backend_name()) == "simulated", "backend");
+
+  // Allocate until the device is full, free every other block, then ask for more than any
+  // free block: a stitch serves it.
+  std::vector<uint64_t> ptrs;
+  for (;;) {
+    ffi::AllocOutcome r = a->allocate(2 * MiB, 0);
+    if (r.status != 0) {
+      CHECK(r.status == 1, "expected OOM, got %d: %s", r.status, std::string(r.message).c_str());
+      CHECK(r.requested == 2 * MiB, "requested %llu", (unsigned long long)r.requested);
+      CHECK(!r.message.empty(), "OOM message");
+      break;
+    }
+    ptrs.push_back(r.ptr);
+  }
+  CHECK(ptrs.size() >= 8, "only %zu blocks", ptrs.size());
+  for (size_t i = 0; i < ptrs.size(); i += 2) {
+    CHECK(a->free_ptr(ptrs[i]).status == 0, "free");
+  }
+  ffi::AllocOutcome big = a->allocate(6 * MiB, 0);
+  CHECK(big.status == 0, "stitched allocation failed: %s", std::string(big.message).c_str());
+  ffi::Stats s = a->stats();
+  CHECK(s.stitches >= 1, "no stitch recorded");
+  CHECK(s.num_ooms == 1, "num_ooms %lld", (long long)s.num_ooms);
+  CHECK(s.allocation[0].current == static_cast<int64_t>(ptrs.size() / 2 + 1), "allocation count");
+
+  // Unknown pointers and double frees are outcomes, not exceptions.
+  CHECK(a->free_ptr(0x1234000).status == 1, "unknown pointer");
+  CHECK(a->free_ptr(big.ptr).status == 0, "free big");
+  CHECK(a->free_ptr(big.ptr).status == 2, "double free");
+
+  // Errors of fallible calls are thrown.
+  try {
+    a->set_memory_fraction(2.0);
+    CHECK(false, "no exception for fraction 2.0");
+  } catch (const rust::Error& e) {
+    CHECK(std::string(e.what()).find("memory_fraction") != std::string::npos, "%s", e.what());
+  }
+  try {
+    a->add_peer(1);
+    CHECK(false, "no exception for a peer of the simulated device");
+  } catch (const rust::Error&) {
+  }
+
+  std::string json(a->stats_json());
+  CHECK(json.find("\"gmlake.stitches\":") != std::string::npos, "stats json: %s", json.c_str());
+  ffi::SnapshotRecord snap = a->snapshot();
+  CHECK(!snap.segments.empty(), "empty snapshot");
+
+  for (size_t i = 1; i < ptrs.size(); i += 2) {
+    a->free_ptr(ptrs[i]);
+  }
+  a->empty_cache();
+  CHECK(a->stats().reserved_bytes[0].current == 0, "reserved after empty_cache");
+
+  if (failures == 0) {
+    std::printf("gmlake_bridge_test: ok (%zu blocks, %llu stitches)\n", ptrs.size(), (unsigned long long)s.stitches);
+    return 0;
+  }
+  std::printf("gmlake_bridge_test: %d failure(s)\n", failures);
+  return 1;
+}

@@ -1,0 +1,257 @@
+"""gmlake: the GMLake GPU memory allocator (virtual memory stitching) for PyTorch.
+
+Installs gmlake as PyTorch's CUDA caching allocator at run time, from ``libgmlake_torch.so``
+(built against the same torch minor version; see docs/pytorch.md)::
+
+    import torch
+    import gmlake
+    gmlake.enable(fragLimit="16MiB", stitch_strategy="best_fit")  # before CUDA is used
+    ...
+    gmlake.stats()["gmlake.stitches"]
+
+Or without changing the program: ``python -m gmlake train.py args...``.
+
+Configuration: GMLake's environment variables (``vmmDefragment``, ``fragLimit``,
+``reuseLimit``, ``defragLevel``, ``autoGC``) and ``GMLAKE_CONF`` (``key:value,...``), then the
+keywords given to :func:`enable`. Invalid values raise ``RuntimeError`` naming the key and the
+value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+__all__ = [
+    "enable",
+    "is_enabled",
+    "stats",
+    "snapshot",
+    "settings",
+    "library_path",
+    "build_info",
+    "check_config",
+    "conf_string",
+]
+
+__version__ = "0.1.0"
+
+_LIB_NAME = "libgmlake_torch.so"
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[str] = None
+
+
+def _candidates():
+    env = os.environ.get("GMLAKE_LIBRARY")
+    if env:
+        yield Path(env)
+        return
+    here = Path(__file__).resolve().parent
+    yield here / _LIB_NAME
+    # A source checkout used through PYTHONPATH=python: the repository's build folders.
+    repo = here.parent.parent
+    for sub in ("build/torch-ext", "build/torch", ".artifacts/gpu"):
+        yield repo / sub / _LIB_NAME
+
+
+def library_path() -> str:
+    """The path of the libgmlake_torch.so that :func:`enable` loads (or has loaded).
+
+    Looked for in ``$GMLAKE_LIBRARY`` (only there when set), next to this package, then in a
+    source checkout's ``build/torch-ext``, ``build/torch`` and ``.artifacts/gpu``. Raises
+    ``RuntimeError`` if none exists.
+    """
+    if _lib_path is not None:
+        return _lib_path
+    tried = []
+    for c in _candidates():
+        tried.append(str(c))
+        if c.is_file():
+            return str(c)
+    raise RuntimeError(
+        "gmlake: libgmlake_torch.so not found (tried: "
+        + ", ".join(tried)
+        + "). Build it with scripts/build-torch-ext.sh or cmake (docs/pytorch.md), "
+        "or set GMLAKE_LIBRARY to its path."
+    )
+
+
+def _load() -> ctypes.CDLL:
+    global _lib, _lib_path
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        # torch first: its libraries (libc10, libc10_cuda, libcudart) satisfy ours by soname.
+        import torch  # noqa: F401
+
+        try:
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:
+            raise RuntimeError(f"gmlake: cannot load {path}: {e}") from e
+        lib.gmlake_install.argtypes = [ctypes.c_char_p]
+        lib.gmlake_install.restype = ctypes.c_int
+        lib.gmlake_install_checked.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+        lib.gmlake_install_checked.restype = ctypes.c_int
+        lib.gmlake_is_installed.argtypes = []
+        lib.gmlake_is_installed.restype = ctypes.c_int
+        lib.gmlake_last_error.argtypes = []
+        lib.gmlake_last_error.restype = ctypes.c_char_p
+        lib.gmlake_build_info.argtypes = []
+        lib.gmlake_build_info.restype = ctypes.c_char_p
+        lib.gmlake_check_conf.argtypes = [ctypes.c_char_p]
+        lib.gmlake_check_conf.restype = ctypes.c_int
+        lib.gmlake_device_count.argtypes = []
+        lib.gmlake_device_count.restype = ctypes.c_int
+        for name in ("gmlake_stats_json", "gmlake_snapshot_json"):
+            f = getattr(lib, name)
+            f.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+            f.restype = ctypes.c_longlong
+        lib.gmlake_settings.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        lib.gmlake_settings.restype = ctypes.c_longlong
+        _lib, _lib_path = lib, path
+        return lib
+
+
+def _last_error(lib: ctypes.CDLL) -> str:
+    msg = lib.gmlake_last_error()
+    return msg.decode("utf-8", "replace") if msg else "gmlake: unknown error"
+
+
+def _format_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, float) and v == float("inf"):
+        return "inf"
+    return str(v)
+
+
+def conf_string(conf: Optional[str] = None, **config: Any) -> str:
+    """``key:value,...`` from a conf string and keywords (keywords last, so they win;
+    ``None`` values are left out; booleans become 1/0)."""
+    parts = []
+    if conf:
+        parts.append(conf.strip().strip(","))
+    for k, v in config.items():
+        if v is None:
+            continue
+        s = _format_value(v)
+        if "," in s or ":" in k or "," in k:
+            raise ValueError(f"gmlake: invalid configuration item {k}={s!r}")
+        parts.append(f"{k}:{s}")
+    return ",".join(p for p in parts if p)
+
+
+def check_config(conf: Optional[str] = None, **config: Any) -> None:
+    """Checks a configuration (environment, then ``conf`` and keywords) without installing;
+    raises ``RuntimeError`` naming the offending key and value."""
+    lib = _load()
+    if lib.gmlake_check_conf(conf_string(conf, **config).encode()) != 0:
+        raise RuntimeError(_last_error(lib))
+
+
+def enable(conf: Optional[str] = None, **config: Any) -> None:
+    """Installs gmlake as PyTorch's CUDA allocator.
+
+    Must run before anything initializes CUDA in this process (right after ``import torch``).
+    ``conf`` is a ``key:value,...`` string; keywords are added to it (e.g.
+    ``enable(fragLimit="16MiB", defragLevel=0, vmmDefragment=True)``). Both override the
+    environment (GMLake's variables and ``GMLAKE_CONF``). Calling it again with the same
+    configuration does nothing.
+
+    Raises ``RuntimeError`` with the library's message if CUDA is already initialized, if the
+    library was built for another torch version or C++ ABI, or if a value is invalid.
+    """
+    text = conf_string(conf, **config)
+    lib = _load()
+    import torch
+
+    flag = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
+    abi = -1 if flag is None else int(bool(flag))
+    rc = lib.gmlake_install_checked(text.encode(), torch.__version__.encode(), abi)
+    if rc != 0:
+        raise RuntimeError(_last_error(lib))
+
+
+def is_enabled() -> bool:
+    """Whether gmlake is PyTorch's current CUDA allocator in this process."""
+    if _lib is None:
+        return False
+    return bool(_lib.gmlake_is_installed())
+
+
+def _json_call(fn, *args) -> Any:
+    n = fn(*args, None, 0)
+    if n < 0:
+        raise RuntimeError(_last_error(_lib))
+    buf = ctypes.create_string_buffer(n + 1)
+    n2 = fn(*args, buf, n + 1)
+    if n2 < 0:
+        raise RuntimeError(_last_error(_lib))
+    if n2 > n:  # grew in between: once more
+        buf = ctypes.create_string_buffer(n2 + 1)
+        if fn(*args, buf, n2 + 1) < 0:
+            raise RuntimeError(_last_error(_lib))
+    return buf.value.decode("utf-8")
+
+
+def _device_index(device) -> int:
+    import torch
+
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def stats(device=None) -> Dict[str, Any]:
+    """``torch.cuda.memory_stats(device)`` plus gmlake's own counters under ``gmlake.``:
+    ``gmlake.stitches``, ``gmlake.pages_stitched``, ``gmlake.cached_bytes``,
+    ``gmlake.retired_bytes``, ``gmlake.pending_frees``, ``gmlake.unknown_frees``,
+    ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>``,
+    ``gmlake.device_free``, ``gmlake.device_total``, ``gmlake.page_size``.
+    Raises ``RuntimeError`` if gmlake is not installed."""
+    if not is_enabled():
+        raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")
+    import torch
+
+    idx = _device_index(device)
+    out: Dict[str, Any] = dict(torch.cuda.memory_stats(idx))
+    own = json.loads(_json_call(_lib.gmlake_stats_json, idx))
+    for k, v in own.items():
+        if k.startswith("gmlake."):
+            out[k] = v
+    return out
+
+
+def snapshot(device=None) -> Dict[str, Any]:
+    """gmlake's view of a device's memory: segments (runs of mapped pages) with their blocks,
+    ``stitched`` flags, page counts, the page size and the configuration. (PyTorch's own
+    ``torch.cuda.memory._snapshot()`` works too and includes history.)"""
+    if not is_enabled():
+        raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")
+    return json.loads(_json_call(_lib.gmlake_snapshot_json, _device_index(device)))
+
+
+def settings() -> str:
+    """The effective configuration, ``backend:gmlake,key:value,...``."""
+    if not is_enabled():
+        raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")
+    n = _lib.gmlake_settings(None, 0)
+    if n < 0:
+        raise RuntimeError(_last_error(_lib))
+    buf = ctypes.create_string_buffer(n + 1)
+    _lib.gmlake_settings(buf, n + 1)
+    return buf.value.decode("utf-8")
+
+
+def build_info() -> Dict[str, Any]:
+    """What the loaded library was built against: torch version, C++ ABI, CUDA runtime."""
+    return json.loads(_load().gmlake_build_info().decode())

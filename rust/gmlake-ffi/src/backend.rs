@@ -1,0 +1,158 @@
+//! The allocator behind one bridge handle, with its device type erased so that the bridge
+//! serves the CUDA device and the simulated one alike.
+
+use crate::capture::CaptureAware;
+use gmlake_core::{
+    AllocationInfo, Allocator, CacheInfo, Config, Device, DeviceError, DevicePtr, DeviceResult,
+    DeviceStats, GraphPoolId, Result, SimDevice, Snapshot, StreamId, TraceEvent,
+};
+
+/// What a device offers beyond [`Device`]: access for peer GPUs.
+pub trait PeerAccess {
+    fn add_peer(&self, ordinal: i32) -> DeviceResult<()>;
+}
+
+impl PeerAccess for SimDevice {
+    fn add_peer(&self, ordinal: i32) -> DeviceResult<()> {
+        Err(DeviceError::InvalidArgument(format!(
+            "the simulated device has no peers (asked for device {ordinal})"
+        )))
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl PeerAccess for gmlake_cuda::CudaDevice {
+    fn add_peer(&self, ordinal: i32) -> DeviceResult<()> {
+        gmlake_cuda::CudaDevice::add_peer(self, ordinal)
+    }
+}
+
+/// The operations of [`Allocator`], object-safe.
+pub trait Core: Send + Sync {
+    fn allocate(&self, size: u64, stream: StreamId) -> Result<DevicePtr>;
+    fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr>;
+    fn free(&self, ptr: DevicePtr) -> Result<()>;
+    fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()>;
+    fn empty_cache(&self) -> Result<()>;
+    fn set_memory_fraction(&self, fraction: f64) -> Result<()>;
+    fn memory_fraction(&self) -> Option<f64>;
+    fn set_limit(&self, bytes: Option<u64>);
+    fn release_pool(&self, pool: GraphPoolId) -> Result<()>;
+    fn stats(&self) -> DeviceStats;
+    fn reset_peak_stats(&self);
+    fn reset_accumulated_stats(&self);
+    fn snapshot(&self) -> Snapshot;
+    fn cache_info(&self) -> CacheInfo;
+    fn allocation(&self, ptr: DevicePtr) -> Option<AllocationInfo>;
+    fn set_history(&self, capacity: usize);
+    fn take_history(&self) -> Vec<TraceEvent>;
+    fn page_size(&self) -> u64;
+    fn config(&self) -> Config;
+    fn device_free(&self) -> DeviceResult<usize>;
+    fn device_total(&self) -> DeviceResult<usize>;
+    fn limit(&self) -> Option<u64>;
+    fn begin_capture(&self, pool: GraphPoolId);
+    fn end_capture(&self, pool: GraphPoolId) -> DeviceResult<()>;
+    /// Grants `ordinal` access to memory mapped from now on and to every range mapped now.
+    fn add_peer(&self, ordinal: i32) -> DeviceResult<()>;
+}
+
+impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
+    fn allocate(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
+        Allocator::allocate(self, size, stream)
+    }
+    fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr> {
+        Allocator::allocate_in(self, size, stream, pool)
+    }
+    fn free(&self, ptr: DevicePtr) -> Result<()> {
+        Allocator::free(self, ptr)
+    }
+    fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        Allocator::record_stream(self, ptr, stream)
+    }
+    fn empty_cache(&self) -> Result<()> {
+        Allocator::empty_cache(self)
+    }
+    fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
+        Allocator::set_memory_fraction(self, fraction)
+    }
+    fn memory_fraction(&self) -> Option<f64> {
+        Allocator::memory_fraction(self)
+    }
+    fn set_limit(&self, bytes: Option<u64>) {
+        Allocator::set_limit(self, bytes)
+    }
+    fn release_pool(&self, pool: GraphPoolId) -> Result<()> {
+        Allocator::release_pool(self, pool)
+    }
+    fn stats(&self) -> DeviceStats {
+        Allocator::stats(self)
+    }
+    fn reset_peak_stats(&self) {
+        Allocator::reset_peak_stats(self)
+    }
+    fn reset_accumulated_stats(&self) {
+        Allocator::reset_accumulated_stats(self)
+    }
+    fn snapshot(&self) -> Snapshot {
+        Allocator::snapshot(self)
+    }
+    fn cache_info(&self) -> CacheInfo {
+        Allocator::cache_info(self)
+    }
+    fn allocation(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
+        Allocator::allocation(self, ptr)
+    }
+    fn set_history(&self, capacity: usize) {
+        Allocator::set_history(self, capacity)
+    }
+    fn take_history(&self) -> Vec<TraceEvent> {
+        Allocator::take_history(self)
+    }
+    fn page_size(&self) -> u64 {
+        Allocator::page_size(self)
+    }
+    fn config(&self) -> Config {
+        Allocator::config(self)
+    }
+    fn device_free(&self) -> DeviceResult<usize> {
+        self.device().free_memory()
+    }
+    fn device_total(&self) -> DeviceResult<usize> {
+        self.device().total_memory()
+    }
+    fn limit(&self) -> Option<u64> {
+        Allocator::limit(self)
+    }
+    fn begin_capture(&self, pool: GraphPoolId) {
+        self.device().begin_capture();
+        self.begin_allocate_to_pool(pool);
+    }
+    fn end_capture(&self, pool: GraphPoolId) -> DeviceResult<()> {
+        self.end_allocate_to_pool(pool);
+        self.device().end_capture()
+    }
+    fn add_peer(&self, ordinal: i32) -> DeviceResult<()> {
+        let dev = self.device();
+        dev.inner().add_peer(ordinal)?;
+        // Ranges mapped before keep their old access list: grant it again on each mapped run
+        // (a snapshot's segments). A run unmapped meanwhile fails; take a fresh snapshot and
+        // retry once before giving up.
+        let regrant = || -> DeviceResult<()> {
+            for seg in Allocator::snapshot(self).segments {
+                dev.set_access(seg.address, seg.total_size as usize)?;
+            }
+            Ok(())
+        };
+        regrant().or_else(|_| regrant())
+    }
+}
+
+/// Builds an allocator over `device` with `config`.
+pub fn make_core<D: Device + PeerAccess + 'static>(
+    device: D,
+    config: Config,
+) -> Result<Box<dyn Core>> {
+    let a = Allocator::new(CaptureAware::new(device), config)?;
+    Ok(Box::new(a))
+}

@@ -1,0 +1,794 @@
+//! The C++ face of gmlake: a `cxx` bridge exposing one allocator per device
+//! ([`gmlake_core::Allocator`] over [`gmlake_cuda::CudaDevice`], or over the simulated device
+//! for tests) with plain arguments: pointers, streams and pool ids are integers, so the
+//! generated code needs no torch or CUDA headers.
+//!
+//! Error conventions at the boundary:
+//! - every function catches panics (`catch_unwind`): a panic becomes an error, never an abort;
+//! - fallible calls return `Result`, thrown in C++ as `rust::Error` with the message;
+//! - allocation returns [`ffi::AllocOutcome`], which tells out-of-memory (`status == 1`, with
+//!   the figures of PyTorch's message and the core's own message) from other errors, so C++
+//!   can throw `c10::OutOfMemoryError`;
+//! - free and record_stream return [`ffi::FreeOutcome`], so C++ can tolerate pointers that
+//!   gmlake never handed out (allocated before the install) without exceptions on the
+//!   deleter path.
+
+mod backend;
+pub mod capture;
+mod json;
+
+use backend::{make_core, Core};
+use gmlake_core::{
+    BlockState, Config, DeviceError, DeviceStats, Error, GraphPoolId, PoolKind, SimDevice,
+    StatArray, TraceAction,
+};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+pub use backend::PeerAccess;
+
+#[cxx::bridge(namespace = "gmlake::ffi")]
+pub mod ffi {
+    /// What an allocation came to.
+    #[derive(Clone, Debug, Default)]
+    struct AllocOutcome {
+        /// The device pointer (0 for a 0-byte request or a failure).
+        ptr: u64,
+        /// 0: allocated; 1: out of memory; 2: any other error (message says which).
+        status: u8,
+        /// The error's message (empty on success).
+        message: String,
+        /// Out-of-memory figures (status 1): bytes asked for, device free/total, bytes
+        /// reserved and allocated by gmlake, cached bytes that could not be stitched,
+        /// the limit (0: none) and stitches so far.
+        requested: u64,
+        device_free: u64,
+        device_total: u64,
+        reserved: u64,
+        allocated: u64,
+        cached_free: u64,
+        limit: u64,
+        stitches: u64,
+    }
+
+    /// What a free (or record_stream) came to.
+    #[derive(Clone, Debug, Default)]
+    struct FreeOutcome {
+        /// 0: done; 1: unknown pointer (not allocated by gmlake); 2: double free;
+        /// 3: any other error.
+        status: u8,
+        message: String,
+    }
+
+    /// PyTorch's `Stat`.
+    #[derive(Clone, Copy, Debug, Default)]
+    struct Stat {
+        current: i64,
+        peak: i64,
+        allocated: i64,
+        freed: i64,
+    }
+
+    #[derive(Clone, Debug, Default)]
+    struct NamedCount {
+        name: String,
+        count: u64,
+    }
+
+    /// PyTorch's `DeviceStats` (StatArrays as aggregate, small pool, large pool) plus
+    /// gmlake's own counters.
+    #[derive(Clone, Debug, Default)]
+    struct Stats {
+        allocation: [Stat; 3],
+        segment: [Stat; 3],
+        active: [Stat; 3],
+        inactive_split: [Stat; 3],
+        allocated_bytes: [Stat; 3],
+        reserved_bytes: [Stat; 3],
+        active_bytes: [Stat; 3],
+        inactive_split_bytes: [Stat; 3],
+        requested_bytes: [Stat; 3],
+        num_alloc_retries: i64,
+        num_ooms: i64,
+        oversize_allocations: Stat,
+        oversize_segments: Stat,
+        num_sync_all_streams: i64,
+        num_device_alloc: i64,
+        num_device_free: i64,
+        max_split_size: i64,
+        stitches: u64,
+        pages_stitched: u64,
+        cached_bytes: u64,
+        retired_bytes: u64,
+        pending_frees: u64,
+        unknown_frees: u64,
+        driver_calls_total: u64,
+        driver_calls: Vec<NamedCount>,
+    }
+
+    /// A block of a snapshot segment. `state`: 0 active_allocated, 1 active_pending_free,
+    /// 2 inactive.
+    #[derive(Clone, Debug, Default)]
+    struct BlockRecord {
+        address: u64,
+        size: u64,
+        requested_size: u64,
+        state: u8,
+        stitched: bool,
+    }
+
+    #[derive(Clone, Debug, Default)]
+    struct SegmentRecord {
+        address: u64,
+        total_size: u64,
+        allocated_size: u64,
+        active_size: u64,
+        requested_size: u64,
+        stream: u64,
+        is_large: bool,
+        pool_first: u64,
+        pool_second: u64,
+        stitched: bool,
+        pages: u64,
+        blocks: Vec<BlockRecord>,
+    }
+
+    #[derive(Clone, Debug, Default)]
+    struct KeyValue {
+        key: String,
+        value: String,
+    }
+
+    #[derive(Clone, Debug, Default)]
+    struct SnapshotRecord {
+        segments: Vec<SegmentRecord>,
+        page_size: u64,
+        config: Vec<KeyValue>,
+    }
+
+    #[derive(Clone, Copy, Debug, Default)]
+    struct CacheInfoRecord {
+        cached_free_bytes: u64,
+        largest_free_block: u64,
+    }
+
+    /// A live allocation (`found == false`: none contains the pointer).
+    #[derive(Clone, Copy, Debug, Default)]
+    struct AllocationRecord {
+        found: bool,
+        ptr: u64,
+        size: u64,
+        requested: u64,
+        stream: u64,
+        is_large: bool,
+        pool_first: u64,
+        pool_second: u64,
+    }
+
+    /// A history event. `action` follows PyTorch's `TraceEntry::Action` order:
+    /// 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc, 4 segment_free,
+    /// 5 segment_map, 6 segment_unmap, 7 snapshot, 8 oom.
+    #[derive(Clone, Copy, Debug, Default)]
+    struct TraceRecord {
+        action: u8,
+        addr: u64,
+        size: u64,
+        stream: u64,
+    }
+
+    #[derive(Clone, Copy, Debug, Default)]
+    struct MemInfo {
+        free: u64,
+        total: u64,
+    }
+
+    extern "Rust" {
+        /// One device's allocator.
+        type Gmlake;
+
+        /// The allocator of CUDA device `device`, configured from the environment
+        /// (`GMLAKE_CONF` and GMLake's variables) overridden by `conf` (`key:value,...`).
+        fn new_cuda_allocator(device: i32, conf: &str) -> Result<Box<Gmlake>>;
+        /// An allocator over a simulated device of `capacity` bytes (`granularity`: page
+        /// size, 0 for 2 MiB), configured as above. Nothing can be read or written through
+        /// its pointers.
+        fn new_simulated_allocator(
+            capacity: u64,
+            granularity: u64,
+            conf: &str,
+        ) -> Result<Box<Gmlake>>;
+        /// Checks a configuration (environment, then `conf`) without creating anything;
+        /// returns the effective settings. Errors name the key and the value.
+        fn check_conf(conf: &str) -> Result<Vec<KeyValue>>;
+        /// Whether this staticlib was built with the CUDA backend.
+        fn has_cuda_backend() -> bool;
+
+        /// "cuda" or "simulated".
+        fn backend_name(self: &Gmlake) -> String;
+        fn device_ordinal(self: &Gmlake) -> i32;
+
+        fn allocate(self: &Gmlake, size: u64, stream: u64) -> AllocOutcome;
+        /// Allocates into CUDA graph pool (pool_first, pool_second).
+        fn allocate_in_pool(
+            self: &Gmlake,
+            size: u64,
+            stream: u64,
+            pool_first: u64,
+            pool_second: u64,
+        ) -> AllocOutcome;
+        fn free_ptr(self: &Gmlake, ptr: u64) -> FreeOutcome;
+        fn record_stream(self: &Gmlake, ptr: u64, stream: u64) -> FreeOutcome;
+        fn empty_cache(self: &Gmlake) -> Result<()>;
+        fn set_memory_fraction(self: &Gmlake, fraction: f64) -> Result<()>;
+        /// The memory fraction, or a negative number when none is set.
+        fn memory_fraction(self: &Gmlake) -> Result<f64>;
+        /// Caps reserved memory at `bytes` (0: no cap).
+        fn set_limit(self: &Gmlake, bytes: u64) -> Result<()>;
+        fn release_pool(self: &Gmlake, pool_first: u64, pool_second: u64) -> Result<()>;
+        fn stats(self: &Gmlake) -> Result<Stats>;
+        fn stats_json(self: &Gmlake) -> Result<String>;
+        fn reset_peak_stats(self: &Gmlake) -> Result<()>;
+        fn reset_accumulated_stats(self: &Gmlake) -> Result<()>;
+        fn snapshot(self: &Gmlake) -> Result<SnapshotRecord>;
+        fn snapshot_json(self: &Gmlake) -> Result<String>;
+        fn cache_info(self: &Gmlake) -> Result<CacheInfoRecord>;
+        fn allocation(self: &Gmlake, ptr: u64) -> Result<AllocationRecord>;
+        /// Keeps up to `capacity` history events in the core (0: off).
+        fn set_history(self: &Gmlake, capacity: usize) -> Result<()>;
+        fn take_history(self: &Gmlake) -> Result<Vec<TraceRecord>>;
+        fn page_size(self: &Gmlake) -> Result<u64>;
+        fn config(self: &Gmlake) -> Result<Vec<KeyValue>>;
+        /// Whether requests of `size` bytes may be stitched under the configuration.
+        fn may_stitch(self: &Gmlake, size: u64) -> Result<bool>;
+        fn memory_info(self: &Gmlake) -> Result<MemInfo>;
+        /// A CUDA graph capture (or another routing of allocations into pool
+        /// (pool_first, pool_second)) begins / ends on this device: the core keeps the pool
+        /// alive and defers event work meanwhile, and so does the device below it (see
+        /// `capture.rs`).
+        fn begin_capture(self: &Gmlake, pool_first: u64, pool_second: u64) -> Result<()>;
+        fn end_capture(self: &Gmlake, pool_first: u64, pool_second: u64) -> Result<()>;
+        /// The cap on reserved bytes in force (memory fraction or limit), 0 for none.
+        fn limit(self: &Gmlake) -> Result<u64>;
+        /// Grants device `peer` access to this device's memory, present and future.
+        fn add_peer(self: &Gmlake, peer: i32) -> Result<()>;
+    }
+}
+
+use ffi::{
+    AllocOutcome, AllocationRecord, BlockRecord, CacheInfoRecord, FreeOutcome, KeyValue, MemInfo,
+    NamedCount, SegmentRecord, SnapshotRecord, Stats, TraceRecord,
+};
+
+/// One device's allocator, as C++ holds it.
+pub struct Gmlake {
+    core: Box<dyn Core>,
+    ordinal: i32,
+    backend: &'static str,
+}
+
+/// The message of a panic payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic payload".to_string()
+    }
+}
+
+/// Runs `f`, turning a panic into an error message.
+fn guard<T>(what: &str, f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => Err(format!(
+            "gmlake: internal error (panic) in {what}: {}",
+            panic_message(p.as_ref())
+        )),
+    }
+}
+
+fn config_from(conf: &str) -> Result<Config, String> {
+    let mut c = Config::from_env().map_err(|e| format!("gmlake configuration: {e}"))?;
+    c.apply_conf(conf)
+        .map_err(|e| format!("gmlake configuration: {e}"))?;
+    Ok(c)
+}
+
+fn pairs(c: &Config) -> Vec<KeyValue> {
+    c.to_pairs()
+        .into_iter()
+        .map(|(k, v)| KeyValue {
+            key: k.to_string(),
+            value: v,
+        })
+        .collect()
+}
+
+fn new_cuda_allocator(device: i32, conf: &str) -> Result<Box<Gmlake>, String> {
+    guard("new_cuda_allocator", || {
+        let config = config_from(conf)?;
+        new_cuda_core(device, config).map(|core| {
+            Box::new(Gmlake {
+                core,
+                ordinal: device,
+                backend: "cuda",
+            })
+        })
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn new_cuda_core(device: i32, config: Config) -> Result<Box<dyn Core>, String> {
+    let dev = gmlake_cuda::CudaDevice::new(device)
+        .map_err(|e| format!("gmlake: cannot open CUDA device {device}: {e}"))?;
+    make_core(dev, config)
+        .map_err(|e| format!("gmlake: cannot create the allocator of CUDA device {device}: {e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn new_cuda_core(device: i32, _config: Config) -> Result<Box<dyn Core>, String> {
+    Err(format!(
+        "gmlake: this build has no CUDA backend (gmlake-ffi built without the `cuda` feature); \
+         cannot open CUDA device {device}"
+    ))
+}
+
+fn new_simulated_allocator(
+    capacity: u64,
+    granularity: u64,
+    conf: &str,
+) -> Result<Box<Gmlake>, String> {
+    guard("new_simulated_allocator", || {
+        if granularity != 0 && !granularity.is_power_of_two() {
+            return Err(format!(
+                "gmlake: simulated device granularity {granularity} is not a power of two"
+            ));
+        }
+        let config = config_from(conf)?;
+        let dev = if granularity == 0 {
+            SimDevice::new(capacity)
+        } else {
+            SimDevice::with_granularity(capacity, granularity)
+        };
+        let core = make_core(dev, config)
+            .map_err(|e| format!("gmlake: cannot create the simulated allocator: {e}"))?;
+        Ok(Box::new(Gmlake {
+            core,
+            ordinal: -1,
+            backend: "simulated",
+        }))
+    })
+}
+
+fn check_conf(conf: &str) -> Result<Vec<KeyValue>, String> {
+    guard("check_conf", || config_from(conf).map(|c| pairs(&c)))
+}
+
+fn has_cuda_backend() -> bool {
+    cfg!(feature = "cuda")
+}
+
+fn stat(s: &gmlake_core::Stat) -> ffi::Stat {
+    ffi::Stat {
+        current: s.current,
+        peak: s.peak,
+        allocated: s.allocated,
+        freed: s.freed,
+    }
+}
+
+fn stat_array(a: &StatArray) -> [ffi::Stat; 3] {
+    [stat(&a.0[0]), stat(&a.0[1]), stat(&a.0[2])]
+}
+
+fn to_stats(s: &DeviceStats) -> Stats {
+    Stats {
+        allocation: stat_array(&s.allocation),
+        segment: stat_array(&s.segment),
+        active: stat_array(&s.active),
+        inactive_split: stat_array(&s.inactive_split),
+        allocated_bytes: stat_array(&s.allocated_bytes),
+        reserved_bytes: stat_array(&s.reserved_bytes),
+        active_bytes: stat_array(&s.active_bytes),
+        inactive_split_bytes: stat_array(&s.inactive_split_bytes),
+        requested_bytes: stat_array(&s.requested_bytes),
+        num_alloc_retries: s.num_alloc_retries,
+        num_ooms: s.num_ooms,
+        oversize_allocations: stat(&s.oversize_allocations),
+        oversize_segments: stat(&s.oversize_segments),
+        num_sync_all_streams: s.num_sync_all_streams,
+        num_device_alloc: s.num_device_alloc,
+        num_device_free: s.num_device_free,
+        max_split_size: s.max_split_size,
+        stitches: s.stitches,
+        pages_stitched: s.pages_stitched,
+        cached_bytes: s.cached_bytes,
+        retired_bytes: s.retired_bytes,
+        pending_frees: s.pending_frees,
+        unknown_frees: s.unknown_frees,
+        driver_calls_total: s.driver_calls.total(),
+        driver_calls: s
+            .driver_calls
+            .as_pairs()
+            .iter()
+            .map(|&(name, count)| NamedCount {
+                name: name.to_string(),
+                count,
+            })
+            .collect(),
+    }
+}
+
+fn block_state(s: BlockState) -> u8 {
+    match s {
+        BlockState::ActiveAllocated => 0,
+        BlockState::ActivePendingFree => 1,
+        BlockState::Inactive => 2,
+    }
+}
+
+fn trace_action(a: TraceAction) -> u8 {
+    match a {
+        TraceAction::Alloc => 0,
+        TraceAction::FreeRequested => 1,
+        TraceAction::FreeCompleted => 2,
+        TraceAction::SegmentAlloc => 3,
+        TraceAction::SegmentFree => 4,
+        TraceAction::SegmentMap => 5,
+        TraceAction::SegmentUnmap => 6,
+        TraceAction::Oom => 8,
+    }
+}
+
+fn to_snapshot(s: &gmlake_core::Snapshot) -> SnapshotRecord {
+    SnapshotRecord {
+        segments: s
+            .segments
+            .iter()
+            .map(|seg| SegmentRecord {
+                address: seg.address,
+                total_size: seg.total_size,
+                allocated_size: seg.allocated_size,
+                active_size: seg.active_size,
+                requested_size: seg.requested_size,
+                stream: seg.stream,
+                is_large: seg.pool == PoolKind::Large,
+                pool_first: seg.graph_pool.0,
+                pool_second: seg.graph_pool.1,
+                stitched: seg.stitched,
+                pages: seg.pages,
+                blocks: seg
+                    .blocks
+                    .iter()
+                    .map(|b| BlockRecord {
+                        address: b.address,
+                        size: b.size,
+                        requested_size: b.requested_size,
+                        state: block_state(b.state),
+                        stitched: b.stitched,
+                    })
+                    .collect(),
+            })
+            .collect(),
+        page_size: s.page_size,
+        config: s
+            .config
+            .iter()
+            .map(|(k, v)| KeyValue {
+                key: k.to_string(),
+                value: v.clone(),
+            })
+            .collect(),
+    }
+}
+
+fn oom_outcome(e: &Error, requested: u64, core: &dyn Core) -> AllocOutcome {
+    match e {
+        Error::OutOfMemory(i) => AllocOutcome {
+            ptr: 0,
+            status: 1,
+            message: e.to_string(),
+            requested: i.requested,
+            device_free: i.device_free,
+            device_total: i.device_total,
+            reserved: i.reserved,
+            allocated: i.allocated,
+            cached_free: i.cached_free,
+            limit: i.limit.unwrap_or(0),
+            stitches: i.stitches,
+        },
+        // A device OOM that reached us unconverted: report it as OOM with what we can read.
+        _ => {
+            let s = core.stats();
+            AllocOutcome {
+                ptr: 0,
+                status: 1,
+                message: format!("Tried to allocate {requested} bytes: {e}"),
+                requested,
+                device_free: core.device_free().unwrap_or(0) as u64,
+                device_total: core.device_total().unwrap_or(0) as u64,
+                reserved: s.reserved_bytes.aggregate().current.max(0) as u64,
+                allocated: s.allocated_bytes.aggregate().current.max(0) as u64,
+                cached_free: s.cached_bytes,
+                limit: 0,
+                stitches: s.stitches,
+            }
+        }
+    }
+}
+
+fn is_oom(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::OutOfMemory(_) | Error::Device(DeviceError::OutOfMemory)
+    )
+}
+
+fn free_outcome(r: Result<gmlake_core::Result<()>, String>) -> FreeOutcome {
+    match r {
+        Ok(Ok(())) => FreeOutcome::default(),
+        Ok(Err(e)) => FreeOutcome {
+            status: match e {
+                Error::UnknownPointer(_) => 1,
+                Error::DoubleFree(_) => 2,
+                _ => 3,
+            },
+            message: e.to_string(),
+        },
+        Err(panic) => FreeOutcome {
+            status: 3,
+            message: panic,
+        },
+    }
+}
+
+fn core_err(e: impl std::fmt::Display) -> String {
+    format!("gmlake: {e}")
+}
+
+impl Gmlake {
+    fn backend_name(&self) -> String {
+        self.backend.to_string()
+    }
+
+    fn device_ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    fn alloc_common(
+        &self,
+        size: u64,
+        f: impl FnOnce(&dyn Core) -> gmlake_core::Result<u64>,
+    ) -> AllocOutcome {
+        let core = self.core.as_ref();
+        match guard("allocate", || Ok(f(core))) {
+            Ok(Ok(ptr)) => AllocOutcome {
+                ptr,
+                ..AllocOutcome::default()
+            },
+            Ok(Err(e)) if is_oom(&e) => {
+                // Reading figures may itself panic if the core is broken: guard it too.
+                guard("allocate (out of memory report)", || {
+                    Ok(oom_outcome(&e, size, core))
+                })
+                .unwrap_or_else(|m| AllocOutcome {
+                    status: 1,
+                    message: format!("{e} ({m})"),
+                    requested: size,
+                    ..AllocOutcome::default()
+                })
+            }
+            Ok(Err(e)) => AllocOutcome {
+                status: 2,
+                message: core_err(e),
+                requested: size,
+                ..AllocOutcome::default()
+            },
+            Err(panic) => AllocOutcome {
+                status: 2,
+                message: panic,
+                requested: size,
+                ..AllocOutcome::default()
+            },
+        }
+    }
+
+    fn allocate(&self, size: u64, stream: u64) -> AllocOutcome {
+        self.alloc_common(size, |c| c.allocate(size, stream))
+    }
+
+    fn allocate_in_pool(
+        &self,
+        size: u64,
+        stream: u64,
+        pool_first: u64,
+        pool_second: u64,
+    ) -> AllocOutcome {
+        self.alloc_common(size, |c| {
+            c.allocate_in(size, stream, GraphPoolId(pool_first, pool_second))
+        })
+    }
+
+    fn free_ptr(&self, ptr: u64) -> FreeOutcome {
+        free_outcome(guard("free", || Ok(self.core.free(ptr))))
+    }
+
+    fn record_stream(&self, ptr: u64, stream: u64) -> FreeOutcome {
+        free_outcome(guard("record_stream", || {
+            Ok(self.core.record_stream(ptr, stream))
+        }))
+    }
+
+    fn empty_cache(&self) -> Result<(), String> {
+        guard("empty_cache", || self.core.empty_cache().map_err(core_err))
+    }
+
+    fn set_memory_fraction(&self, fraction: f64) -> Result<(), String> {
+        guard("set_memory_fraction", || {
+            self.core.set_memory_fraction(fraction).map_err(core_err)
+        })
+    }
+
+    fn memory_fraction(&self) -> Result<f64, String> {
+        guard("memory_fraction", || {
+            Ok(self.core.memory_fraction().unwrap_or(-1.0))
+        })
+    }
+
+    fn set_limit(&self, bytes: u64) -> Result<(), String> {
+        guard("set_limit", || {
+            self.core.set_limit((bytes != 0).then_some(bytes));
+            Ok(())
+        })
+    }
+
+    fn release_pool(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
+        guard("release_pool", || {
+            self.core
+                .release_pool(GraphPoolId(pool_first, pool_second))
+                .map_err(core_err)
+        })
+    }
+
+    fn stats(&self) -> Result<Stats, String> {
+        guard("stats", || Ok(to_stats(&self.core.stats())))
+    }
+
+    fn stats_json(&self) -> Result<String, String> {
+        guard("stats_json", || {
+            let s = self.core.stats();
+            let mut extra = Vec::new();
+            if let (Ok(f), Ok(t)) = (self.core.device_free(), self.core.device_total()) {
+                extra.push(("device_free", f as u64));
+                extra.push(("device_total", t as u64));
+            }
+            extra.push(("page_size", self.core.page_size()));
+            Ok(json::stats(&s, &extra))
+        })
+    }
+
+    fn reset_peak_stats(&self) -> Result<(), String> {
+        guard("reset_peak_stats", || {
+            self.core.reset_peak_stats();
+            Ok(())
+        })
+    }
+
+    fn reset_accumulated_stats(&self) -> Result<(), String> {
+        guard("reset_accumulated_stats", || {
+            self.core.reset_accumulated_stats();
+            Ok(())
+        })
+    }
+
+    fn snapshot(&self) -> Result<SnapshotRecord, String> {
+        guard("snapshot", || Ok(to_snapshot(&self.core.snapshot())))
+    }
+
+    fn snapshot_json(&self) -> Result<String, String> {
+        guard("snapshot_json", || {
+            Ok(json::snapshot(&self.core.snapshot()))
+        })
+    }
+
+    fn cache_info(&self) -> Result<CacheInfoRecord, String> {
+        guard("cache_info", || {
+            let c = self.core.cache_info();
+            Ok(CacheInfoRecord {
+                cached_free_bytes: c.cached_free_bytes,
+                largest_free_block: c.largest_free_block,
+            })
+        })
+    }
+
+    fn allocation(&self, ptr: u64) -> Result<AllocationRecord, String> {
+        guard("allocation", || {
+            Ok(match self.core.allocation(ptr) {
+                Some(a) => AllocationRecord {
+                    found: true,
+                    ptr: a.ptr,
+                    size: a.size,
+                    requested: a.requested,
+                    stream: a.stream,
+                    is_large: a.pool == PoolKind::Large,
+                    pool_first: a.graph_pool.0,
+                    pool_second: a.graph_pool.1,
+                },
+                None => AllocationRecord::default(),
+            })
+        })
+    }
+
+    fn set_history(&self, capacity: usize) -> Result<(), String> {
+        guard("set_history", || {
+            self.core.set_history(capacity);
+            Ok(())
+        })
+    }
+
+    fn take_history(&self) -> Result<Vec<TraceRecord>, String> {
+        guard("take_history", || {
+            Ok(self
+                .core
+                .take_history()
+                .into_iter()
+                .map(|e| TraceRecord {
+                    action: trace_action(e.action),
+                    addr: e.addr,
+                    size: e.size,
+                    stream: e.stream,
+                })
+                .collect())
+        })
+    }
+
+    fn page_size(&self) -> Result<u64, String> {
+        guard("page_size", || Ok(self.core.page_size()))
+    }
+
+    fn config(&self) -> Result<Vec<KeyValue>, String> {
+        guard("config", || Ok(pairs(&self.core.config())))
+    }
+
+    fn may_stitch(&self, size: u64) -> Result<bool, String> {
+        guard("may_stitch", || {
+            let c = self.core.config();
+            Ok(c.vmm_defragment && c.defrag_level < 5 && size >= c.frag_limit)
+        })
+    }
+
+    fn memory_info(&self) -> Result<MemInfo, String> {
+        guard("memory_info", || {
+            let free = self.core.device_free().map_err(core_err)? as u64;
+            let total = self.core.device_total().map_err(core_err)? as u64;
+            Ok(MemInfo { free, total })
+        })
+    }
+
+    fn begin_capture(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
+        guard("begin_capture", || {
+            self.core
+                .begin_capture(GraphPoolId(pool_first, pool_second));
+            Ok(())
+        })
+    }
+
+    fn end_capture(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
+        guard("end_capture", || {
+            self.core
+                .end_capture(GraphPoolId(pool_first, pool_second))
+                .map_err(core_err)
+        })
+    }
+
+    fn limit(&self) -> Result<u64, String> {
+        guard("limit", || Ok(self.core.limit().unwrap_or(0)))
+    }
+
+    fn add_peer(&self, peer: i32) -> Result<(), String> {
+        guard("add_peer", || self.core.add_peer(peer).map_err(core_err))
+    }
+}
+
+#[cfg(test)]
+mod tests;

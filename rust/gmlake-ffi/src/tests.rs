@@ -1,0 +1,158 @@
+//! Bridge tests over the simulated device (no GPU needed).
+
+use super::*;
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+fn sim(capacity: u64, conf: &str) -> Box<Gmlake> {
+    new_simulated_allocator(capacity, 0, conf).expect("simulated allocator")
+}
+
+#[test]
+fn a_panic_becomes_an_error() {
+    let r: Result<(), String> = guard("test", || panic!("boom {}", 42));
+    let e = r.unwrap_err();
+    assert!(
+        e.contains("panic") && e.contains("test") && e.contains("boom 42"),
+        "{e}"
+    );
+    let r: Result<(), String> = guard("test", || std::panic::panic_any(7u32));
+    assert!(r.unwrap_err().contains("unknown panic payload"));
+}
+
+#[test]
+fn invalid_conf_names_key_and_value() {
+    let e = check_conf("defragLevel:high").unwrap_err();
+    assert!(e.contains("defragLevel") && e.contains("high"), "{e}");
+    let e = check_conf("nonsense:1").unwrap_err();
+    assert!(e.contains("nonsense"), "{e}");
+    let e = new_simulated_allocator(GIB, 0, "fragLimit").err().unwrap();
+    assert!(e.contains("fragLimit"), "{e}");
+    let ok = check_conf("stitch_strategy:lru,fragLimit:2MiB").unwrap();
+    let get = |k: &str| ok.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
+    assert_eq!(get("stitch_strategy").as_deref(), Some("lru"));
+    assert_eq!(get("fragLimit").as_deref(), Some("2097152"));
+}
+
+#[test]
+fn bad_granularity_is_an_error() {
+    assert!(new_simulated_allocator(GIB, 3 * MIB, "").is_err());
+}
+
+#[test]
+fn allocate_free_and_stats() {
+    let a = sim(GIB, "");
+    assert_eq!(a.backend_name(), "simulated");
+    let r = a.allocate(3 * MIB, 0);
+    assert_eq!(r.status, 0, "{}", r.message);
+    assert_ne!(r.ptr, 0);
+    let s = a.stats().unwrap();
+    assert!(s.allocated_bytes[0].current >= (3 * MIB) as i64);
+    assert_eq!(s.requested_bytes[0].current, (3 * MIB) as i64);
+    let info = a.allocation(r.ptr + 17).unwrap();
+    assert!(info.found && info.ptr == r.ptr && info.size >= 3 * MIB);
+    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    assert_eq!(
+        a.free_ptr(r.ptr).status,
+        2,
+        "double free is reported, not thrown"
+    );
+    assert_eq!(
+        a.free_ptr(0xdead_0000).status,
+        1,
+        "foreign pointers are told apart"
+    );
+    assert_eq!(a.record_stream(0xdead_0000, 5).status, 1);
+    let s = a.stats().unwrap();
+    assert_eq!(s.allocated_bytes[0].current, 0);
+    assert!(s.driver_calls_total > 0);
+    assert_eq!(s.driver_calls.len(), 11);
+    let j = a.stats_json().unwrap();
+    assert!(j.contains("\"gmlake.stitches\":"), "{j}");
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().unwrap().reserved_bytes[0].current, 0);
+}
+
+#[test]
+fn out_of_memory_is_told_apart() {
+    let a = sim(64 * MIB, "");
+    let r = a.allocate(GIB, 0);
+    assert_eq!(r.status, 1, "{}", r.message);
+    assert_eq!(r.requested, GIB);
+    assert!(r.device_total >= 64 * MIB);
+    assert!(!r.message.is_empty());
+    // The allocator keeps working after an OOM.
+    let r = a.allocate(8 * MIB, 0);
+    assert_eq!(r.status, 0, "{}", r.message);
+    assert_eq!(a.stats().unwrap().num_ooms, 1);
+}
+
+#[test]
+fn stitching_shows_in_stats_and_snapshot() {
+    let a = sim(64 * MIB, "");
+    // Fill the device with 2 MiB blocks, free every other one, then ask for more than any
+    // free block: only a stitch can serve it.
+    let mut ptrs = Vec::new();
+    loop {
+        let r = a.allocate(2 * MIB, 0);
+        if r.status != 0 {
+            break;
+        }
+        ptrs.push(r.ptr);
+    }
+    assert!(ptrs.len() >= 8);
+    for p in ptrs.iter().step_by(2) {
+        assert_eq!(a.free_ptr(*p).status, 0);
+    }
+    let r = a.allocate(6 * MIB, 0);
+    assert_eq!(r.status, 0, "{}", r.message);
+    let s = a.stats().unwrap();
+    assert!(s.stitches >= 1, "a stitch served the request");
+    let snap = a.snapshot().unwrap();
+    assert!(snap.segments.iter().any(|s| s.stitched));
+    assert!(a.snapshot_json().unwrap().contains("\"stitched\":true"));
+}
+
+#[test]
+fn graph_pools_and_captures() {
+    let a = sim(GIB, "");
+    a.begin_capture(1, 0).unwrap();
+    let r = a.allocate_in_pool(4 * MIB, 9, 1, 0);
+    assert_eq!(r.status, 0, "{}", r.message);
+    let info = a.allocation(r.ptr).unwrap();
+    assert_eq!((info.pool_first, info.pool_second), (1, 0));
+    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    a.end_capture(1, 0).unwrap();
+    assert!(a.end_capture(1, 0).is_err(), "unbalanced end");
+    a.release_pool(1, 0).unwrap();
+}
+
+#[test]
+fn history_round_trip() {
+    let a = sim(GIB, "");
+    a.set_history(1000).unwrap();
+    let r = a.allocate(MIB, 3);
+    a.free_ptr(r.ptr);
+    let h = a.take_history().unwrap();
+    assert!(h
+        .iter()
+        .any(|e| e.action == 0 && e.addr == r.ptr && e.stream == 3));
+    assert!(h.iter().any(|e| e.action == 1 && e.addr == r.ptr));
+    assert!(a.take_history().unwrap().is_empty());
+}
+
+#[test]
+fn simulated_device_has_no_peers() {
+    let a = sim(GIB, "");
+    assert!(a.add_peer(1).unwrap_err().contains("no peers"));
+}
+
+#[test]
+fn memory_fraction_round_trip() {
+    let a = sim(GIB, "");
+    assert!(a.memory_fraction().unwrap() < 0.0);
+    a.set_memory_fraction(0.5).unwrap();
+    assert_eq!(a.memory_fraction().unwrap(), 0.5);
+    assert!(a.set_memory_fraction(1.5).is_err());
+}
