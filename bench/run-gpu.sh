@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite of issue 6, in one command, on a machine with one CUDA GPU:
+#
+#   PYTHONPATH=python bash bench/run-gpu.sh [path/to/libgmlake_torch.so]
+#
+# builds bench/latency.cpp, then runs, each in its own process and allocator after allocator
+# (native, expandable segments, gmlake):
+#   - the C++ latency benchmark (fixed sizes, random mixed pattern, stitch cost);
+#   - every workload of bench/workloads (measured run + largest batch under a memory cap).
+# Writes under ${OUT:-bench/out}: results.jsonl (every JSON record), run.log (everything
+# printed), summary.txt (the closing tables). Turn the results into docs/benchmarks.md with
+#   python3 bench/report.py bench/out/results.jsonl
+#
+# The library: the argument, else $GMLAKE_LIBRARY, else what `gmlake.library_path()` finds.
+# Knobs (environment):
+#   BENCH_BUDGET_S  total wall-time budget in seconds (default 450); a phase that would start
+#                   with less than its minimum left is skipped and recorded as skipped
+#   BENCH_QUICK=1   fewer steps, trials and latency iterations (a smoke run, ~3 minutes)
+#   BENCH_WORKLOADS workloads to run (default: "llm_lora moe conv kv_infer fsdp_offload")
+#   BENCH_ALLOCATORS allocators (default: "native expandable gmlake")
+#   BENCH_NO_LATENCY=1 / BENCH_NO_WORKLOADS=1  skip a part
+#   GMLAKE_CONF     gmlake's configuration (passed through)
+#   BENCH_COMMIT    the commit to record (where the copy has no .git)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+T0=$SECONDS
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+RES=$OUT/results.jsonl
+LOG=$OUT/run.log
+SUMMARY=$OUT/summary.txt
+: >"$RES"
+: >"$LOG"
+BUDGET=${BENCH_BUDGET_S:-450}
+QUICK=${BENCH_QUICK:-0}
+WORKLOADS=${BENCH_WORKLOADS:-llm_lora moe conv kv_infer fsdp_offload}
+ALLOCATORS=${BENCH_ALLOCATORS:-native expandable gmlake}
+PY=${PYTHON:-python3}
+export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the machines' rule), also for NCCL in fsdp_offload.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
+
+log() { echo "[run-gpu $((SECONDS - T0))s] $*" | tee -a "$LOG"; }
+left() { echo $((BUDGET - (SECONDS - T0))); }
+record() { echo "$1" >>"$RES"; }
+
+lib=${1:-${GMLAKE_LIBRARY:-}}
+if [ -z "$lib" ]; then
+  lib=$("$PY" -c 'import gmlake; print(gmlake.library_path())' 2>>"$LOG") || lib=""
+fi
+if [ -n "$lib" ] && [ -f "$lib" ]; then
+  lib=$(cd "$(dirname "$lib")" && pwd)/$(basename "$lib")
+  export GMLAKE_LIBRARY=$lib
+  log "gmlake library: $lib"
+else
+  log "WARNING: libgmlake_torch.so not found (argument, GMLAKE_LIBRARY, gmlake.library_path()): gmlake runs will fail"
+  lib=""
+fi
+
+# ---- environment record
+"$PY" - "$QUICK" "$BUDGET" "$*" >>"$RES" 2>>"$LOG" <<'PY'
+import json, subprocess, sys, time, os, platform
+rec = {"kind": "env", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "quick": sys.argv[1] == "1",
+       "budget_s": int(sys.argv[2]), "args": sys.argv[3], "python": platform.python_version(),
+       "host": platform.node(), "gmlake_library": os.environ.get("GMLAKE_LIBRARY", ""),
+       "gmlake_conf": os.environ.get("GMLAKE_CONF", "")}
+def sh(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception as e:
+        return f"error: {e}"
+q = sh(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used,clocks.max.sm",
+        "--format=csv,noheader"])
+rec["nvidia_smi"] = q
+parts = [p.strip() for p in q.splitlines()[0].split(",")] if q and not q.startswith("error") else []
+if len(parts) >= 2:
+    rec["gpu"], rec["driver"] = parts[0], parts[1]
+commit = os.environ.get("BENCH_COMMIT") or sh(["git", "rev-parse", "HEAD"])
+rec["git_commit"] = commit if commit and not commit.startswith("error") else None
+if rec["git_commit"] and not os.environ.get("BENCH_COMMIT"):
+    rec["git_dirty"] = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
+try:
+    import torch
+    rec["torch"] = torch.__version__
+    rec["cuda"] = torch.version.cuda
+    rec["cudnn"] = torch.backends.cudnn.version()
+except Exception as e:
+    rec["torch_error"] = str(e)
+for mod in ("transformers", "peft", "torchvision"):
+    try:
+        rec[mod] = __import__(mod).__version__
+    except Exception as e:
+        rec[mod] = f"missing: {e}"
+try:
+    import gmlake
+    rec["gmlake_build"] = gmlake.build_info()
+except Exception as e:
+    rec["gmlake_build"] = f"error: {e}"
+print(json.dumps(rec, sort_keys=True))
+PY
+log "environment: $(tail -n 1 "$RES" | cut -c1-400)"
+
+# ---- C++ latency benchmark
+lat_bin=build/bench/latency
+if [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
+  log "building $lat_bin"
+  if ! bash bench/build-latency.sh build/bench >>"$LOG" 2>&1; then
+    log "ERROR: building the latency benchmark failed (see run.log)"
+    record '{"kind":"skipped","what":"latency","why":"build failed"}'
+    lat_bin=""
+  fi
+fi
+
+lat_args=()
+[ "$QUICK" = 1 ] && lat_args+=(--quick)
+run_latency() { # allocator
+  local a=$1 t
+  t=$(left)
+  if [ "$t" -lt 40 ]; then
+    log "skipping latency/$a: ${t}s left"
+    record "{\"kind\":\"skipped\",\"what\":\"latency\",\"allocator\":\"$a\",\"why\":\"budget\"}"
+    return
+  fi
+  [ "$t" -gt 120 ] && t=120
+  log "latency/$a (timeout ${t}s)"
+  local rc=0
+  case $a in
+  native) timeout -k 5 "$t" "$lat_bin" --allocator native --out "$RES" "${lat_args[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 5 "$t" "$lat_bin" --allocator expandable \
+    --out "$RES" "${lat_args[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  gmlake) timeout -k 5 "$t" "$lat_bin" --allocator gmlake --lib "$lib" --conf "" --out "$RES" "${lat_args[@]}" \
+    >>"$LOG" 2>&1 || rc=$? ;;
+  esac
+  if [ "$rc" != 0 ]; then
+    log "latency/$a exited with $rc"
+    record "{\"kind\":\"failed\",\"what\":\"latency\",\"allocator\":\"$a\",\"rc\":$rc}"
+  fi
+}
+if [ -n "$lat_bin" ] && [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
+  for a in $ALLOCATORS; do run_latency "$a"; done
+fi
+
+# ---- workloads
+# Per workload: process timeout (s), search time (s), minimum time worth starting (s), extra flags.
+wl_timeout() { case $1 in llm_lora) echo 110 ;; kv_infer) echo 90 ;; fsdp_offload) echo 120 ;; *) echo 70 ;; esac; }
+wl_search() { case $1 in llm_lora) echo 35 ;; kv_infer) echo 30 ;; fsdp_offload) echo 40 ;; *) echo 25 ;; esac; }
+wl_quick_flags() {
+  case $1 in
+  llm_lora) echo "--steps 5 --warmup 2 --search-trials 5" ;;
+  kv_infer) echo "--steps 3 --warmup 1 --search-trials 5" ;;
+  fsdp_offload) echo "--steps 3 --warmup 1 --search-trials 4" ;;
+  *) echo "--steps 5 --warmup 2 --search-trials 5" ;;
+  esac
+}
+
+run_workload() { # workload allocator
+  local w=$1 a=$2 t s rc=0
+  t=$(left)
+  if [ "$t" -lt 30 ]; then
+    log "skipping $w/$a: ${t}s left"
+    record "{\"kind\":\"skipped\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"why\":\"budget\"}"
+    return
+  fi
+  local cap
+  cap=$(wl_timeout "$w")
+  [ "$t" -gt "$cap" ] && t=$cap
+  s=$(wl_search "$w")
+  # Leave the search at most 60% of the process's time.
+  [ "$s" -gt $((t * 6 / 10)) ] && s=$((t * 6 / 10))
+  local flags=(--search --search-time "$s" --out "$RES" --tag "run-gpu")
+  if [ "$QUICK" = 1 ]; then
+    # shellcheck disable=SC2207
+    flags+=($(wl_quick_flags "$w"))
+  fi
+  log "$w/$a (timeout ${t}s, search ${s}s)"
+  local script=bench/workloads/$w.py
+  case $a in
+  native) timeout -k 10 "$t" "$PY" "$script" --allocator native "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$t" "$PY" "$script" \
+    --allocator expandable "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  gmlake) timeout -k 10 "$t" "$PY" -m gmlake "$script" --allocator gmlake "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  esac
+  if [ "$rc" != 0 ]; then
+    log "$w/$a exited with $rc$([ "$rc" = 124 ] && echo ' (timeout)')"
+    record "{\"kind\":\"failed\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"rc\":$rc}"
+  fi
+}
+if [ "${BENCH_NO_WORKLOADS:-0}" != 1 ]; then
+  for w in $WORKLOADS; do
+    for a in $ALLOCATORS; do run_workload "$w" "$a"; done
+  done
+fi
+
+log "done in $((SECONDS - T0))s; results: $RES ($(wc -l <"$RES") records)"
+"$PY" bench/report.py --summary "$RES" >"$SUMMARY" 2>>"$LOG" || log "report.py --summary failed"
+cat "$SUMMARY"

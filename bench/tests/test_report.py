@@ -1,0 +1,175 @@
+"""bench/report.py on synthetic records (no torch, no GPU), and the workloads' command lines.
+
+Run: python3 -m pytest -q bench/tests
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import py_compile
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(BENCH))
+import report  # noqa: E402
+
+GiB = 1 << 30
+WORKLOADS = ["llm_lora", "fsdp_offload", "moe", "conv", "kv_infer"]
+
+
+def synthetic(gmlake_util=0.99, gmlake_ratio=1.005, fail_kv_expandable=False):
+    """Records shaped like run-gpu.sh's (numbers made up for the test)."""
+    recs = [{"kind": "env", "gpu": "FAKE GPU 80GB", "driver": "999.1", "torch": "2.11.0+cu130", "cuda": "13.0",
+             "date": "2026-01-01 00:00:00 UTC", "git_commit": "0123456789abcdef", "git_dirty": False,
+             "quick": False, "transformers": "5.17.0", "peft": "0.21.2", "torchvision": "0.26.0"}]
+    for i, w in enumerate(WORKLOADS):
+        for a in ("native", "expandable", "gmlake"):
+            if fail_kv_expandable and w == "kv_infer" and a == "expandable":
+                recs.append({"kind": "failed", "what": "workload", "workload": w, "allocator": a, "rc": 124})
+                continue
+            active = (4 + i) * GiB
+            util = {"native": 0.80, "expandable": 0.90, "gmlake": gmlake_util}[a]
+            step = {"native": 0.100, "expandable": 0.104, "gmlake": 0.100 * gmlake_ratio}[a]
+            recs.append({
+                "kind": "workload", "workload": w, "allocator": a, "ok": True, "batch": 4, "steps": 10,
+                "warmup": 3, "median_step_s": step, "peak_active_bytes": active,
+                "peak_reserved_bytes": int(active / util), "utilization": util, "num_ooms": 0,
+                "model": {"params": 1_000_000_000, "trainable_params": 10_000_000},
+                "config": {"seq_min": 256, "seq_max": 2048, "seq": 1024, "fill_min": 0.25, "skew_max": 3.0,
+                           "sizes": "160,224", "batch_min_frac": 0.25, "prompt_min": 128, "prompt_max": 1024,
+                           "new_min": 32, "new_max": 128},
+                "gpu": "FAKE GPU 80GB", "torch": "2.11.0+cu130", "backend": "gmlake" if a == "gmlake" else "native",
+                "expandable_segments_seen": a == "expandable",
+                "gmlake": {"stitches": 12, "pages_stitched": 340} if a == "gmlake" else None,
+            })
+            mb = {"native": 8, "expandable": 9, "gmlake": 10}[a]
+            recs.append({"kind": "max_batch", "workload": w, "allocator": a, "cap_bytes": 8 * GiB,
+                         "max_batch": mb, "first_failed_batch": mb + 1, "search_complete": True,
+                         "stopped": "bracketed", "cap_enforced": True, "search_steps": 3,
+                         "trials": [{"batch": mb, "ok": True}, {"batch": mb + 1, "ok": False, "oom": True}]})
+    for a, base in (("native", 800.0), ("expandable", 500.0), ("gmlake", 150.0)):
+        s = 512
+        while s <= GiB:
+            recs.append({"kind": "latency", "allocator": a, "test": "fixed", "size": s, "ns_per_pair": base,
+                         "iters": 100000})
+            s *= 4
+        recs.append({"kind": "latency", "allocator": a, "test": "fixed", "size": GiB, "ns_per_pair": base + 10})
+        recs.append({"kind": "latency", "allocator": a, "test": "mixed", "live": 10000, "min_size": 512,
+                     "max_size": 32 << 20, "ops_pairs": 1000000, "warm_pairs": 200000,
+                     "ns_per_op": base * 1.2, "alloc_p50_ns": base, "alloc_p99_ns": base * 3,
+                     "alloc_max_ns": 90000.0, "device_allocs_timed": 3, "peak_reserved_bytes": 40 * GiB,
+                     "peak_active_bytes": 31 * GiB})
+        for m, k in ((1, 256), (4, 64)):
+            for r in range(3):
+                recs.append({"kind": "stitch", "allocator": a, "test": "stitch_round", "pages_per_block": m,
+                             "blocks": k, "round": r, "us": 400.0 if a == "gmlake" else 900.0,
+                             "pages_stitched": 128 if a == "gmlake" else -1})
+            recs.append({"kind": "stitch", "allocator": a, "test": "stitch", "pages_per_block": m, "blocks": k,
+                         "request_pages": k // 2 * m, "us_median": 400.0 if a == "gmlake" else 900.0,
+                         "us_per_page_stitched_median": 3.125 if a == "gmlake" else None,
+                         "pages_stitched_total": 384 if a == "gmlake" else 0, "rounds": 3})
+    return recs
+
+
+def write(tmp_path, recs):
+    p = tmp_path / "results.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs) + "not json\n")
+    return p
+
+
+def test_report_writes_tables_and_keeps_the_rest(tmp_path):
+    res = write(tmp_path, synthetic())
+    md = tmp_path / "docs" / "benchmarks.md"
+    md.parent.mkdir()
+    md.write_text("# Benchmarks\n\nCore figures stay here.\n")
+    assert report.main([str(res), "--md", str(md), "--img-dir", str(tmp_path / "docs" / "img")]) == 0
+    text = md.read_text()
+    assert "Core figures stay here." in text
+    assert "FAKE GPU 80GB" in text and "999.1" in text and "2.11.0+cu130" in text and "2026-01-01" in text
+    assert "bash bench/run-gpu.sh" in text and "bench/report.py" in text
+    for w in WORKLOADS:
+        assert f"### {w}" in text
+    # gmlake row of llm_lora: 4 GiB active, utilization 0.99, step ratio 1.005 vs native's 0.100.
+    row = next(line for line in text.splitlines() if line.startswith("| gmlake | 4.00 GiB"))
+    assert "| 0.990 |" in row and "1.005×" in row and "| 10 |" in row
+    assert "| 1 GiB | 810 | 510 | 160 |" in text
+    assert "3.12 µs" in text  # stitch cost 400 µs / 128 pages
+    # Targets all met in this synthetic run.
+    targets = text[text.index("### Targets"):text.index("### llm_lora")]
+    assert "**no**" not in targets
+    # Regenerating replaces the section instead of appending a second one.
+    report.main([str(res), "--md", str(md), "--img-dir", str(tmp_path / "docs" / "img")])
+    text2 = md.read_text()
+    assert text2.count("gpu-bench:begin") == 1 and text2.count("gpu-bench:end") == 1
+    assert "Core figures stay here." in text2
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pytest.skip("matplotlib not installed: plots not checked")
+    imgs = sorted(os.listdir(tmp_path / "docs" / "img"))
+    assert imgs == ["gpu-latency.png", "gpu-max-batch.png", "gpu-memory.png", "gpu-step-time.png"]
+    assert "](img/gpu-memory.png)" in text2
+
+
+def test_missed_targets_and_failures_are_shown(tmp_path):
+    res = write(tmp_path, synthetic(gmlake_util=0.95, gmlake_ratio=1.05, fail_kv_expandable=True))
+    md = tmp_path / "b.md"
+    report.main([str(res), "--md", str(md), "--no-plots"])
+    text = md.read_text()
+    targets = text[text.index("### Targets"):text.index("### llm_lora")]
+    assert "lowest 0.950" in targets and "worst 1.050×" in targets
+    assert targets.count("**no**") == 2
+    kv = text[text.index("### kv_infer"):]
+    assert "timed out" in kv
+    assert "plots skipped" in text
+
+
+def test_summary_prints_without_writing(tmp_path, capsys):
+    res = write(tmp_path, synthetic(fail_kv_expandable=True))
+    assert report.main(["--summary", str(res)]) == 0
+    out = capsys.readouterr().out
+    assert "llm_lora" in out and "latency ns/pair" in out and "stitch" in out and "targets:" in out
+    assert "failed: workload kv_infer expandable" in out
+    assert not (tmp_path / "docs").exists()
+
+
+def test_later_records_win(tmp_path):
+    recs = synthetic()
+    recs.append({"kind": "latency", "allocator": "gmlake", "test": "mixed", "live": 10000, "min_size": 512,
+                 "max_size": 1 << 25, "ops_pairs": 1, "warm_pairs": 1, "ns_per_op": 999.0})
+    res = report.Results(recs)
+    assert res.one("latency", allocator="gmlake", test="mixed")["ns_per_op"] == 999.0
+
+
+def test_empty_results(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text("")
+    md = tmp_path / "b.md"
+    assert report.main([str(p), "--md", str(md), "--no-plots"]) == 0
+    assert "not measured" in md.read_text()
+
+
+def test_python_files_compile(tmp_path):
+    files = sorted(BENCH.rglob("*.py"))
+    assert len(files) >= 8
+    for i, f in enumerate(files):
+        py_compile.compile(str(f), doraise=True, cfile=str(tmp_path / f"{i}.pyc"))
+
+
+@pytest.mark.parametrize("w", WORKLOADS)
+def test_workload_help_needs_no_torch(w):
+    r = subprocess.run([sys.executable, str(BENCH / "workloads" / f"{w}.py"), "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--allocator" in r.stdout and "--cap-gib" in r.stdout and "--search" in r.stdout
+
+
+def test_run_script_syntax():
+    for s in ("run-gpu.sh", "build-latency.sh"):
+        r = subprocess.run(["bash", "-n", str(BENCH / s)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr

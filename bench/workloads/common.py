@@ -1,0 +1,473 @@
+"""Shared driver of the GPU workloads: allocator choice, timing, memory statistics, the
+largest-batch search under a memory cap, and the JSON records.
+
+A workload module defines ``NAME``, ``DEFAULTS`` (its defaults for the common flags),
+``add_args(parser)`` and ``build(args, device)`` returning an object with:
+
+- ``sample(rng, batch, final_max=False) -> dict``: the shapes of one step (drawn from
+  ``rng``, a ``random.Random``; the same seed gives the same sequence for every allocator);
+  ``final_max`` asks for the largest shapes the workload can draw.
+- ``step(batch, shape)``: one training / inference step.
+- ``reset()``: drops what a failed step may have left (gradients, caches).
+- ``work(batch, shape) -> int`` (optional): tokens or images in the step.
+- ``info() -> dict`` (optional): facts about the model (parameters, config).
+
+Nothing here imports torch at module level, so ``--help`` works without torch or a GPU; the
+allocator is set up (environment for expandable segments, ``gmlake.enable()``) before torch
+initializes CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+ALLOCATORS = ("auto", "native", "expandable", "gmlake")
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def base_parser(name: str, description: str, defaults: Dict[str, Any]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=f"{name}.py",
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("common")
+    g.add_argument("--allocator", choices=ALLOCATORS, default="auto",
+                   help="auto: gmlake if already enabled (python -m gmlake), expandable if "
+                        "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, else native")
+    g.add_argument("--gmlake-conf", default="",
+                   help="key:value,... passed to gmlake.enable() (with --allocator gmlake)")
+    g.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the code")
+    g.add_argument("--steps", type=int, default=defaults.get("steps", 10),
+                   help="measured steps (after warm-up)")
+    g.add_argument("--warmup", type=int, default=defaults.get("warmup", 3), help="warm-up steps")
+    g.add_argument("--batch", type=int, default=defaults.get("batch", 4),
+                   help="batch size of the measured run")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tiny", action="store_true", help="tiny model and shapes (smoke tests)")
+    g.add_argument("--no-run", action="store_true", help="skip the measured run")
+    g.add_argument("--search", action="store_true",
+                   help="after the run, search the largest batch under --cap-gib")
+    g.add_argument("--cap-gib", type=float, default=defaults.get("cap_gib", 8.0),
+                   help="memory cap of the search, GiB (torch.cuda.set_per_process_memory_fraction)")
+    g.add_argument("--search-start", type=int, default=defaults.get("search_start", 0),
+                   help="first batch tried (0: --batch)")
+    g.add_argument("--search-steps", type=int, default=defaults.get("search_steps", 3),
+                   help="steps per trial (the last one at the largest shapes)")
+    g.add_argument("--search-trials", type=int, default=defaults.get("search_trials", 10),
+                   help="most trials")
+    g.add_argument("--search-time", type=float, default=defaults.get("search_time", 60.0),
+                   help="no new trial after this many seconds of search")
+    g.add_argument("--search-resolution", type=float, default=0.0625,
+                   help="stop bisecting when the bracket is at most this fraction of the "
+                        "largest good batch (and at least 1)")
+    g.add_argument("--fake-oom-above", type=int, default=0,
+                   help="testing: raise OutOfMemoryError for batches above this (0: off)")
+    g.add_argument("--out", default="", help="append the JSON records to this file too")
+    g.add_argument("--tag", default="", help="free text stored in the records")
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# Allocator
+
+
+def _expandable_in_env() -> bool:
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        v = os.environ.get(var, "")
+        items = [i.strip().replace(" ", "") for i in v.split(",")]
+        if any(i.lower() == "expandable_segments:true" for i in items):
+            return True
+    return False
+
+
+def _gmlake_module():
+    return sys.modules.get("gmlake")
+
+
+def setup_allocator(requested: str, gmlake_conf: str, device: str) -> str:
+    """Prepares the allocator before CUDA initializes; returns the allocator's name."""
+    gm = _gmlake_module()
+    already_gmlake = gm is not None and hasattr(gm, "is_enabled") and gm.is_enabled()
+    name = requested
+    if name == "auto":
+        name = "gmlake" if already_gmlake else ("expandable" if _expandable_in_env() else "native")
+    if name != "gmlake" and already_gmlake:
+        raise SystemExit(f"--allocator {name}, but gmlake is already enabled (python -m gmlake)")
+    if name == "native" and _expandable_in_env():
+        raise SystemExit("--allocator native, but PYTORCH_CUDA_ALLOC_CONF asks for expandable segments")
+    if name == "expandable" and not _expandable_in_env():
+        cur = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = (cur + "," if cur else "") + "expandable_segments:True"
+    if name == "gmlake" and _expandable_in_env():
+        raise SystemExit("--allocator gmlake, but PYTORCH_CUDA_ALLOC_CONF asks for expandable segments")
+    import torch  # noqa: F401  (after the environment is final)
+
+    if name == "gmlake" and not already_gmlake and device.startswith("cuda"):
+        import gmlake
+
+        gmlake.enable(gmlake_conf or None)
+    return name
+
+
+def allocator_facts(name: str, device: str) -> Dict[str, Any]:
+    """What the process really runs with (checked, not assumed)."""
+    import torch
+
+    out: Dict[str, Any] = {"alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    if not device.startswith("cuda"):
+        return out
+    try:
+        out["backend"] = torch.cuda.get_allocator_backend()
+    except Exception as e:  # pragma: no cover - depends on torch
+        out["backend"] = f"error: {e}"
+    if name == "gmlake":
+        gm = _gmlake_module()
+        out["gmlake_enabled"] = bool(gm is not None and gm.is_enabled())
+        try:
+            out["gmlake_settings"] = gm.settings()
+            out["gmlake_library"] = gm.library_path()
+        except Exception as e:
+            out["gmlake_settings"] = f"error: {e}"
+    else:
+        try:
+            segs = torch.cuda.memory._snapshot().get("segments", [])
+            out["segments"] = len(segs)
+            out["expandable_segments_seen"] = any(s.get("is_expandable", False) for s in segs)
+        except Exception as e:
+            out["snapshot_error"] = str(e)
+    return out
+
+
+def env_facts(device: str) -> Dict[str, Any]:
+    import torch
+
+    out: Dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        out["gpu"] = p.name
+        out["gpu_total_bytes"] = p.total_memory
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helpers
+
+
+def is_oom(e: BaseException) -> bool:
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and (
+        "out of memory" in msg.lower()
+        or "CUBLAS_STATUS_ALLOC_FAILED" in msg
+        or "CUDNN_STATUS_ALLOC_FAILED" in msg
+        or "CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous" in msg
+    )
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def memory_record(device: str) -> Dict[str, Any]:
+    import torch
+
+    if not device.startswith("cuda"):
+        return {}
+    s = torch.cuda.memory_stats()
+    g = lambda k: int(s.get(k, 0))  # noqa: E731
+    rec = {
+        "peak_allocated_bytes": g("allocated_bytes.all.peak"),
+        "peak_active_bytes": g("active_bytes.all.peak"),
+        "peak_reserved_bytes": g("reserved_bytes.all.peak"),
+        "peak_requested_bytes": g("requested_bytes.all.peak"),
+        "end_allocated_bytes": g("allocated_bytes.all.current"),
+        "end_reserved_bytes": g("reserved_bytes.all.current"),
+        "num_alloc_retries": g("num_alloc_retries"),
+        "num_ooms": g("num_ooms"),
+        "num_device_alloc": g("num_device_alloc"),
+        "num_device_free": g("num_device_free"),
+        "max_memory_allocated": int(torch.cuda.max_memory_allocated()),
+        "max_memory_reserved": int(torch.cuda.max_memory_reserved()),
+    }
+    pr = rec["peak_reserved_bytes"]
+    rec["utilization"] = (rec["peak_active_bytes"] / pr) if pr else None
+    try:
+        free, total = torch.cuda.mem_get_info()
+        rec["end_device_used_bytes"] = int(total - free)
+    except Exception:
+        pass
+    gm = _gmlake_module()
+    if gm is not None and gm.is_enabled():
+        try:
+            rec["gmlake"] = {k[len("gmlake."):]: v for k, v in gm.stats().items() if k.startswith("gmlake.")}
+        except Exception as e:
+            rec["gmlake"] = {"error": str(e)}
+    return rec
+
+
+def emit(rec: Dict[str, Any], out: str) -> None:
+    line = json.dumps(rec, sort_keys=True)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
+
+
+def _fake_oom(args, batch: int) -> None:
+    if args.fake_oom_above and batch > args.fake_oom_above:
+        import torch
+
+        raise torch.OutOfMemoryError(f"fake out of memory (batch {batch} > {args.fake_oom_above})")
+
+
+def cleanup(wl, device: str) -> None:
+    import torch
+
+    try:
+        wl.reset()
+    except Exception as e:  # pragma: no cover
+        print(f"[bench] reset failed: {e}", file=sys.stderr)
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from: int) -> List[float]:
+    times = []
+    for i, shape in enumerate(shapes):
+        _fake_oom(args, batch)
+        sync(device)
+        t0 = time.perf_counter()
+        wl.step(batch, shape)
+        sync(device)
+        dt = time.perf_counter() - t0
+        if i >= timed_from:
+            times.append(dt)
+    return times
+
+
+def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
+    rng = random.Random(args.seed)
+    shapes = [wl.sample(rng, args.batch) for _ in range(args.warmup + args.steps)]
+    rec = dict(base, kind="workload", batch=args.batch, steps=args.steps, warmup=args.warmup)
+    t0 = time.perf_counter()
+    try:
+        times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup)
+        rec["ok"] = True
+    except Exception as e:
+        rec["ok"] = False
+        rec["oom"] = is_oom(e)
+        rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        print(traceback.format_exc(), file=sys.stderr)
+        times = []
+    rec["run_s"] = time.perf_counter() - t0
+    rec["step_times_s"] = [round(t, 6) for t in times]
+    if times:
+        rec["median_step_s"] = statistics.median(times)
+        rec["mean_step_s"] = statistics.fmean(times)
+        rec["min_step_s"] = min(times)
+        rec["max_step_s"] = max(times)
+        if hasattr(wl, "work"):
+            work = sum(wl.work(args.batch, s) for s in shapes[args.warmup:])
+            rec["work_per_s"] = work / sum(times)
+    rec.update(memory_record(args.device))
+    rec["shapes"] = shapes
+    return rec
+
+
+def search_max_batch(args, wl, base: Dict[str, Any], log: Callable[[str], None]) -> Dict[str, Any]:
+    """Largest batch whose trial (search_steps steps, the last at the largest shapes) runs
+    without OOM under the cap: doubling from the start batch, then bisection."""
+    import torch
+
+    cuda = args.device.startswith("cuda")
+    cap = int(args.cap_gib * GiB)
+    rec = dict(base, kind="max_batch", cap_bytes=cap, search_steps=args.search_steps)
+    cleanup(wl, args.device)
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = min(1.0, cap / total)
+        torch.cuda.set_per_process_memory_fraction(fraction)
+        rec["fraction"] = fraction
+        rec["gpu_total_bytes"] = total
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if getter is not None:
+            try:
+                rec["fraction_read_back"] = getter()
+            except Exception as e:
+                rec["fraction_read_back"] = f"error: {e}"
+        # Is the cap enforced? A tensor larger than the cap must fail.
+        probe = None
+        try:
+            probe = torch.empty(cap + 64 * MiB, dtype=torch.uint8, device=args.device)
+            rec["cap_enforced"] = False
+        except Exception as e:
+            rec["cap_enforced"] = is_oom(e)
+            if not is_oom(e):
+                rec["cap_probe_error"] = str(e)[:300]
+        del probe
+        cleanup(wl, args.device)
+        # And a tensor that fits under the cap (with 512 MiB to spare) must succeed: the cap is
+        # not lower than asked.
+        below = cap - int(torch.cuda.memory_reserved()) - 512 * MiB
+        if below > 0:
+            try:
+                probe = torch.empty(below, dtype=torch.uint8, device=args.device)
+                rec["cap_below_ok"] = True
+            except Exception as e:
+                rec["cap_below_ok"] = False
+                rec["cap_below_error"] = str(e)[:300]
+            probe = None
+            cleanup(wl, args.device)
+        rec["reserved_at_start_bytes"] = int(torch.cuda.memory_reserved())
+        rec["allocated_at_start_bytes"] = int(torch.cuda.memory_allocated())
+
+    trials: List[Dict[str, Any]] = []
+    good, bad = 0, None  # largest batch known to fit, smallest known not to
+    start = args.search_start or args.batch
+    t_start = time.perf_counter()
+    hard_error = None
+
+    def next_batch() -> Optional[int]:
+        if bad is None:
+            return start if not trials else good * 2
+        if good == 0:
+            b = bad // 2
+            return b if b >= 1 else None
+        if bad - good <= max(1, int(good * args.search_resolution)):
+            return None
+        return (good + bad) // 2
+
+    while len(trials) < args.search_trials:
+        if time.perf_counter() - t_start > args.search_time:
+            rec["stopped"] = "time"
+            break
+        b = next_batch()
+        if b is None:
+            rec["stopped"] = "bracketed"
+            break
+        rng = random.Random(args.seed + 1)
+        shapes = [wl.sample(rng, b) for _ in range(max(0, args.search_steps - 1))]
+        shapes.append(wl.sample(rng, b, final_max=True))
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        trial: Dict[str, Any] = {"batch": b}
+        try:
+            run_steps(args, wl, b, shapes, args.device, len(shapes))
+            trial["ok"] = True
+        except Exception as e:
+            trial["ok"] = False
+            trial["oom"] = is_oom(e)
+            trial["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            if not trial["oom"]:
+                hard_error = trial["error"]
+                print(traceback.format_exc(), file=sys.stderr)
+        trial["s"] = round(time.perf_counter() - t0, 3)
+        if cuda:
+            m = memory_record(args.device)
+            trial["peak_active_bytes"] = m["peak_active_bytes"]
+            trial["peak_reserved_bytes"] = m["peak_reserved_bytes"]
+            trial["num_ooms"] = m["num_ooms"]
+        cleanup(wl, args.device)
+        trials.append(trial)
+        log(f"[bench] {base['workload']}/{base['allocator']} trial batch={b}: "
+            f"{'ok' if trial['ok'] else ('OOM' if trial.get('oom') else 'ERROR')} ({trial['s']} s)")
+        if trial["ok"]:
+            good = max(good, b)
+        else:
+            bad = b if bad is None else min(bad, b)
+        if hard_error is not None:
+            rec["stopped"] = "error"
+            break
+    else:
+        rec["stopped"] = "trials"
+    rec["max_batch"] = good
+    rec["first_failed_batch"] = bad
+    rec["search_complete"] = rec.get("stopped") == "bracketed"
+    rec["search_s"] = time.perf_counter() - t_start
+    rec["trials"] = trials
+    if hard_error:
+        rec["error"] = hard_error
+    if cuda:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return rec
+
+
+def main(module, argv=None) -> int:
+    """Runs a workload module (a module, or its globals() as a dict)."""
+    if isinstance(module, dict):
+        module = argparse.Namespace(**module)
+    p = base_parser(module.NAME, " ".join(module.__doc__.split()), module.DEFAULTS)
+    module.add_args(p)
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.steps = min(args.steps, 3)
+        args.warmup = min(args.warmup, 1)
+    t_proc = time.perf_counter()
+    name = setup_allocator(args.allocator, args.gmlake_conf, args.device)
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("[bench] CUDA is not available (use --device cpu for a smoke test)", file=sys.stderr)
+        return 2
+    base: Dict[str, Any] = {
+        "workload": module.NAME,
+        "allocator": name,
+        "device": args.device,
+        "seed": args.seed,
+        "tag": args.tag,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    t0 = time.perf_counter()
+    wl = module.build(args, args.device)
+    build_s = time.perf_counter() - t0
+    base["build_s"] = round(build_s, 3)
+    rc = 0
+    if not args.no_run:
+        rec = measured_run(args, wl, base)
+        rec["model"] = wl.info() if hasattr(wl, "info") else {}
+        rec["config"] = {k: v for k, v in vars(args).items() if k not in ("out",)}
+        rec.update(env_facts(args.device))
+        rec.update(allocator_facts(name, args.device))
+        rec["process_s"] = time.perf_counter() - t_proc
+        emit(rec, args.out)
+        if not rec["ok"]:
+            rc = 1
+    if args.search:
+        rec = search_max_batch(args, wl, base, lambda s: print(s, file=sys.stderr, flush=True))
+        rec.update(env_facts(args.device))
+        rec["backend"] = allocator_facts(name, args.device).get("backend")
+        rec["process_s"] = time.perf_counter() - t_proc
+        emit(rec, args.out)
+        if rec.get("error"):
+            rc = 1
+    if hasattr(wl, "close"):
+        wl.close()
+    return rc
