@@ -48,7 +48,7 @@ cudart_dir=$(dirname "$CUDART")
 echo "build-latency: torch $TORCH_DIR (cxx11 abi $abi), CUDA headers $CUDA_INCLUDE, runtime $CUDART"
 set -x
 g++ -O2 -std=c++17 -Wall -Wno-unused-parameter -D_GLIBCXX_USE_CXX11_ABI="$abi" \
-  -isystem "$TORCH_DIR/include" -isystem "$CUDA_INCLUDE" "${extra_inc[@]}" \
+  -isystem "$TORCH_DIR/include" -isystem "$CUDA_INCLUDE" ${extra_inc[@]+"${extra_inc[@]}"} \
   bench/latency.cpp -o "$dest/latency" \
   -L"$TORCH_DIR/lib" -lc10_cuda -lc10 "$CUDART" -ldl \
   -Wl,-rpath,"$TORCH_DIR/lib:$cudart_dir"

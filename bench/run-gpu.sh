@@ -21,6 +21,8 @@
 #   BENCH_NO_LATENCY=1 / BENCH_NO_WORKLOADS=1  skip a part
 #   GMLAKE_CONF     gmlake's configuration (passed through)
 #   BENCH_COMMIT    the commit to record (where the copy has no .git)
+#   VMM_PROBE       a build of rust/gmlake-cuda's vmm_probe example to run too (default:
+#                   .artifacts/gpu/vmm_probe when it exists); output in vmm_probe.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 T0=$SECONDS
@@ -127,10 +129,10 @@ run_latency() { # allocator
   log "latency/$a (timeout ${t}s)"
   local rc=0
   case $a in
-  native) timeout -k 5 "$t" "$lat_bin" --allocator native --out "$RES" "${lat_args[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  native) timeout -k 5 "$t" "$lat_bin" --allocator native --out "$RES" ${lat_args[@]+"${lat_args[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
   expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 5 "$t" "$lat_bin" --allocator expandable \
-    --out "$RES" "${lat_args[@]}" >>"$LOG" 2>&1 || rc=$? ;;
-  gmlake) timeout -k 5 "$t" "$lat_bin" --allocator gmlake --lib "$lib" --conf "" --out "$RES" "${lat_args[@]}" \
+    --out "$RES" ${lat_args[@]+"${lat_args[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
+  gmlake) timeout -k 5 "$t" "$lat_bin" --allocator gmlake --lib "$lib" --conf "" --out "$RES" ${lat_args[@]+"${lat_args[@]}"} \
     >>"$LOG" 2>&1 || rc=$? ;;
   esac
   if [ "$rc" != 0 ]; then
@@ -142,10 +144,19 @@ if [ -n "$lat_bin" ] && [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
   for a in $ALLOCATORS; do run_latency "$a"; done
 fi
 
+# ---- raw driver costs: rust/gmlake-cuda's vmm_probe example, when a build of it was carried
+# (cargo build --release -p gmlake-cuda --example vmm_probe; copy to .artifacts/gpu/).
+probe=${VMM_PROBE:-.artifacts/gpu/vmm_probe}
+if [ -x "$probe" ] && [ "$(left)" -gt 60 ]; then
+  log "vmm_probe ($probe) -> $OUT/vmm_probe.txt"
+  timeout -k 5 60 "$probe" >"$OUT/vmm_probe.txt" 2>&1 || log "vmm_probe exited with $?"
+  cat "$OUT/vmm_probe.txt" >>"$LOG"
+fi
+
 # ---- workloads
 # Per workload: process timeout (s), search time (s), minimum time worth starting (s), extra flags.
-wl_timeout() { case $1 in llm_lora) echo 110 ;; kv_infer) echo 90 ;; fsdp_offload) echo 120 ;; *) echo 70 ;; esac; }
-wl_search() { case $1 in llm_lora) echo 35 ;; kv_infer) echo 30 ;; fsdp_offload) echo 40 ;; *) echo 25 ;; esac; }
+wl_timeout() { case $1 in llm_lora) echo 100 ;; kv_infer) echo 80 ;; fsdp_offload) echo 90 ;; *) echo 60 ;; esac; }
+wl_search() { case $1 in llm_lora) echo 30 ;; kv_infer) echo 20 ;; fsdp_offload) echo 25 ;; *) echo 20 ;; esac; }
 wl_quick_flags() {
   case $1 in
   llm_lora) echo "--steps 5 --warmup 2 --search-trials 5" ;;

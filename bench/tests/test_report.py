@@ -173,3 +173,19 @@ def test_run_script_syntax():
     for s in ("run-gpu.sh", "build-latency.sh"):
         r = subprocess.run(["bash", "-n", str(BENCH / s)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+def test_search_on_cpu_with_fake_oom(tmp_path):
+    """The run and the largest-batch search end to end on the CPU (skipped without torch)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "r.jsonl"
+    r = subprocess.run([sys.executable, str(BENCH / "workloads" / "moe.py"), "--device", "cpu", "--tiny",
+                        "--batch", "4", "--steps", "2", "--warmup", "1", "--search", "--fake-oom-above", "13",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    run = next(x for x in recs if x["kind"] == "workload")
+    assert run["ok"] and len(run["step_times_s"]) == 2 and run["allocator"] == "native"
+    mb = next(x for x in recs if x["kind"] == "max_batch")
+    assert mb["max_batch"] == 13 and mb["first_failed_batch"] == 14 and mb["search_complete"]
+    assert [t["batch"] for t in mb["trials"]] == [4, 8, 16, 12, 14, 13]

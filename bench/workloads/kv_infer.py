@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 NAME = "kv_infer"
-DEFAULTS = {"steps": 6, "warmup": 2, "batch": 32, "cap_gib": 8.0, "search_steps": 2}
+DEFAULTS = {"steps": 5, "warmup": 2, "batch": 32, "cap_gib": 8.0, "search_steps": 2}
 
 
 def add_args(p):
