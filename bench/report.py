@@ -422,6 +422,9 @@ def latency_lines(res: Results) -> List[str]:
         lines += table(["allocator", "ns/op", "alloc p50 ns", "alloc p99 ns", "alloc max",
                         "device allocations (timed part)", "peak reserved", "utilization"], rows)
         lines.append("")
+    for r in res.of("latency_check"):
+        if r.get("expandable_segments_seen") is False:
+            lines.append("**Warning:** the expandable run saw no expandable segment: its numbers are native's.")
     problems = _problems(res, "latency")
     if problems:
         lines.append(problems.strip())
