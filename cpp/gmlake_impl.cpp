@@ -4,12 +4,14 @@
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 #include <unordered_set>
 
@@ -316,6 +318,14 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
 
   const uint64_t sid = stream_id(stream);
   auto call = [&]() -> ffi::AllocOutcome {
+    // While a graph may be capturing (in cudaStreamCaptureModeGlobal, PyTorch's default),
+    // the driver calls that create and map memory must run in relaxed mode, as PyTorch's
+    // allocator does for cudaMalloc (memory created during a capture is kept until the graph
+    // is released, so the graph's baked-in addresses stay valid).
+    std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
+    if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
+      relaxed.emplace(cudaStreamCaptureModeRelaxed);
+    }
     return in_pool ? c.allocate_in_pool(nbytes, sid, pool.first, pool.second)
                    : c.allocate(nbytes, sid);
   };
@@ -330,22 +340,6 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     drain(ds, ctx, nullptr);
     if (r.status == 0 && r.ptr != 0 && ctx) {
       ds.contexts[r.ptr] = ctx;
-    }
-    if (r.status == 1) {
-      // The core records no OOM event of its own in every build: add PyTorch's.
-      push_trace(
-          ds,
-          TraceRec{
-              Action::OOM,
-              device,
-              r.device_free,
-              nbytes,
-              stream,
-              pool,
-              c10::getApproximateTime(),
-              nullptr,
-              std::string(),
-              std::string()});
     }
   }
 
@@ -469,6 +463,10 @@ void Impl::free(void* ptr) noexcept {
         }
       } catch (const std::exception&) {
       }
+    }
+    std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
+    if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
+      relaxed.emplace(cudaStreamCaptureModeRelaxed);
     }
     ffi::FreeOutcome r;
     if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
@@ -909,10 +907,7 @@ int Impl::pool_use_count(int device, PoolId pool) {
   return it == ds.pool_use.end() ? 0 : it->second;
 }
 
-bool Impl::check_pool_live_allocations(
-    int device,
-    PoolId pool,
-    const std::vector<void*>& expected_live) {
+std::vector<std::pair<uint64_t, uint64_t>> Impl::live_blocks_in_pool(int device, PoolId pool) {
   const ffi::Gmlake& c = core(device);
   ffi::SnapshotRecord snap;
   try {
@@ -920,25 +915,71 @@ bool Impl::check_pool_live_allocations(
   } catch (const rust::Error& e) {
     TORCH_CHECK(false, "gmlake: ", e.what());
   }
-  std::unordered_set<uint64_t> expected;
-  for (void* p : expected_live) {
-    expected.insert(as_u64(p));
-  }
-  size_t live = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> out;
   for (const auto& seg : snap.segments) {
     if (seg.pool_first != pool.first || seg.pool_second != pool.second) {
       continue;
     }
     for (const auto& b : seg.blocks) {
       if (b.state == 0) {
-        if (expected.count(b.address) == 0) {
-          return false;
-        }
-        ++live;
+        out.emplace_back(b.address, b.size);
       }
     }
   }
-  return live == expected.size();
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool Impl::check_pool_live_allocations(
+    int device,
+    PoolId pool,
+    const std::vector<void*>& expected_live) {
+  std::unordered_set<uint64_t> expected;
+  for (void* p : expected_live) {
+    expected.insert(as_u64(p));
+  }
+  const auto live = live_blocks_in_pool(device, pool);
+  if (live.size() != expected.size()) {
+    return false;
+  }
+  for (const auto& b : live) {
+    if (expected.count(b.first) == 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<void*> Impl::restore_pool_checkpoint(
+    int device,
+    PoolId pool,
+    const std::vector<std::pair<uint64_t, uint64_t>>& checkpoint) {
+  auto live = live_blocks_in_pool(device, pool);
+  std::map<uint64_t, uint64_t> now(live.begin(), live.end());
+  // Every block of the checkpoint must be allocated now, at the same address and size: gmlake
+  // cannot re-create a freed block at a given address.
+  for (const auto& b : checkpoint) {
+    auto it = now.find(b.first);
+    TORCH_CHECK(
+        it != now.end() && it->second == b.second,
+        "gmlake: restoring a CUDA graph pool checkpoint that needs freed blocks re-created "
+        "(setCheckpointPoolState, used by torch.compile's CUDA graph trees when a tree "
+        "branches) is unsupported by gmlake; the block at ",
+        reinterpret_cast<void*>(static_cast<uintptr_t>(b.first)),
+        " of ",
+        b.second,
+        " bytes is not allocated now");
+    now.erase(it);
+  }
+  // Blocks allocated since the checkpoint are freed (the caller passes their storages as
+  // stale).
+  std::vector<void*> freed;
+  for (const auto& b : now) {
+    void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(b.first));
+    free(p);
+    freed.push_back(p);
+  }
+  return freed;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -402,21 +402,42 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
       bool p2p_enabled) override {
     return impl_.memcpy_async(dst, dstDevice, src, srcDevice, count, stream, p2p_enabled);
   }
+  // torch.compile's CUDA graph trees take a checkpoint after every recording and restore one
+  // when a tree branches. The checkpoint is the pool's allocated blocks; a restore succeeds
+  // when those blocks are still allocated (blocks allocated since are freed), which covers
+  // recording and replay; re-creating freed blocks at their addresses is unsupported and
+  // fails with a c10::Error saying so.
+  struct PoolCheckpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
+    int device = 0;
+    PoolId pool{0, 0};
+    std::vector<std::pair<uint64_t, uint64_t>> blocks;
+  };
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
-      c10::DeviceIndex /*device*/,
-      c10::MempoolId_t /*id*/) override {
-    TORCH_CHECK(
-        false,
-        "gmlake: allocator checkpoints (getCheckpointState, used by torch.compile's CUDA graph "
-        "trees when a graph tree branches) are unsupported by gmlake");
+      c10::DeviceIndex device,
+      c10::MempoolId_t id) override {
+    auto state = std::make_shared<PoolCheckpoint>();
+    state->device = device;
+    state->pool = PoolId{id.first, id.second};
+    state->blocks = impl_.live_blocks_in_pool(device, state->pool);
+    return state;
   }
   c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
-      c10::DeviceIndex /*device*/,
-      std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> /*pps*/) override {
-    TORCH_CHECK(
-        false,
-        "gmlake: allocator checkpoints (setCheckpointPoolState, used by torch.compile's CUDA "
-        "graph trees when a graph tree branches) are unsupported by gmlake");
+      c10::DeviceIndex device,
+      std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps) override {
+    auto state = std::dynamic_pointer_cast<PoolCheckpoint>(pps);
+    TORCH_CHECK(state, "gmlake: setCheckpointPoolState expects a state from gmlake's getCheckpointState");
+    TORCH_CHECK(state->device == device, "gmlake: checkpoint of device ", state->device, " restored on ", device);
+    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
+    delta.ptrs_freed = impl_.restore_pool_checkpoint(device, state->pool, state->blocks);
+    // As PyTorch's allocator: the checkpoint's blocks count as freed and allocated again at the
+    // same addresses; the caller attaches these DataPtrs to the storages that own them.
+    for (const auto& b : state->blocks) {
+      void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(b.first));
+      delta.ptrs_freed.push_back(p);
+      delta.dataptrs_allocd.emplace_back(
+          p, p, &local_raw_delete, c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
   }
   std::string name() override {
     return "gmlake";

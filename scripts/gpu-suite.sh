@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The GPU suite (tests/gpu, pytest) end to end, on a machine with an NVIDIA GPU and torch.
+#
+# Two halves, because the GPU machine may have no Rust toolchain and no network:
+#
+#   scripts/gpu-suite.sh --prepare     (on a machine with Rust; no GPU needed)
+#       builds libgmlake_torch.so against PyPI's torch wheel (scripts/build-torch-ext.sh) and
+#       puts in .artifacts/gpu/ (ignored by git; carry it to the GPU machine):
+#         libgmlake_torch.so      the library under test (debug info stripped)
+#         libgmlake_ffi.a         the Rust staticlib, and cxxbridge/ its C++ headers, for the
+#                                 CMake build against the GPU machine's own torch
+#
+#   scripts/gpu-suite.sh [pytest args...]     (on the GPU machine)
+#       1. prints the GPU, driver, torch, and the library's build info;
+#       2. builds libgmlake_torch.so there with cmake against the installed torch and the
+#          carried staticlib (in the background; a check of the CMake route: its result is
+#          reported, the suite tests the carried library) unless GMLAKE_SKIP_DEVICE_BUILD=1;
+#       3. runs tests/gpu in order: install, memory, graphs, history, training, sanitizer;
+#       4. prints a summary: tests passed/failed, and the training table (utilization and
+#          median step time under native, expandable segments and gmlake).
+#
+# Logs go to $OUT when set (else build/gpu-suite/): suite.log (pytest -v), junit.xml,
+# cases.log (every case's output), training.json, device-build.log, summary.txt.
+# GMLAKE_LIBRARY overrides the library tested; PYTHON the interpreter (default python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+ART="$ROOT/.artifacts/gpu"
+
+if [ "${1:-}" = "--prepare" ]; then
+  set -e
+  bash scripts/build-torch-ext.sh --out "$ART"
+  # shellcheck source=scripts/ensure-rust.sh
+  command -v cargo >/dev/null 2>&1 || source scripts/ensure-rust.sh
+  target="${CARGO_TARGET_DIR:-$ROOT/target}"
+  objcopy --strip-debug "$target/release/libgmlake_ffi.a" "$ART/libgmlake_ffi.a"
+  rm -rf "$ART/cxxbridge"
+  cp -rL "$target/cxxbridge" "$ART/cxxbridge"
+  du -sh "$ART"/* | sed 's/^/[gpu-suite] /'
+  echo "[gpu-suite] prepared $ART: carry .artifacts/gpu to the GPU machine and run scripts/gpu-suite.sh there"
+  exit 0
+fi
+
+PY="${PYTHON:-python3}"
+LOG="${OUT:-$ROOT/build/gpu-suite}"
+mkdir -p "$LOG"
+export GMLAKE_GPU_OUT="$LOG"
+export GMLAKE_GPU_PYTHON="$PY"
+export GMLAKE_LIBRARY="${GMLAKE_LIBRARY:-$ART/libgmlake_torch.so}"
+export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+: >"$LOG/cases.log"
+start=$SECONDS
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -4
+"$PY" - <<'EOF' 2>&1
+import torch, json, os, sys
+print(f"python {sys.version.split()[0]}  torch {torch.__version__}  cuda {torch.version.cuda}  "
+      f"cxx11abi {torch._C._GLIBCXX_USE_CXX11_ABI}  gpus {torch.cuda.device_count()}")
+import gmlake
+print("gmlake library", gmlake.library_path(), gmlake.build_info())
+EOF
+if [ ! -f "$GMLAKE_LIBRARY" ]; then
+  echo "gpu-suite: $GMLAKE_LIBRARY not found: run scripts/gpu-suite.sh --prepare where Rust is, and carry .artifacts/gpu" >&2
+  exit 2
+fi
+
+# CMake route against the installed torch, with the carried staticlib (background).
+build_pid=""
+if [ "${GMLAKE_SKIP_DEVICE_BUILD:-0}" != 1 ] && [ -f "$ART/libgmlake_ffi.a" ] && command -v cmake >/dev/null 2>&1; then
+  (
+    set -e
+    bdir=$(mktemp -d /tmp/gmlake-cmake.XXXXXX)
+    cmake -S cpp -B "$bdir" -DPYTHON_EXECUTABLE="$PY" \
+      -DGMLAKE_RUST_STATICLIB="$ART/libgmlake_ffi.a" -DGMLAKE_CXXBRIDGE_DIR="$ART/cxxbridge"
+    cmake --build "$bdir" -j "$(nproc)"
+    (cd "$bdir" && ctest --output-on-failure)
+    "$PY" - "$bdir/libgmlake_torch.so" <<'EOF'
+import subprocess, sys
+# The library built here installs into this torch too (in a fresh process).
+code = ("import sys, torch, gmlake; gmlake.enable(); x = torch.ones(10, device='cuda'); "
+        "print('device-built library:', torch.cuda.get_allocator_backend(), float(x.sum()))")
+env = dict(__import__('os').environ, GMLAKE_LIBRARY=sys.argv[1])
+r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+print(r.stdout, r.stderr)
+sys.exit(r.returncode)
+EOF
+  ) >"$LOG/device-build.log" 2>&1 &
+  build_pid=$!
+fi
+
+echo "== tests/gpu"
+files=(tests/gpu/test_install.py tests/gpu/test_memory.py tests/gpu/test_graphs.py
+       tests/gpu/test_history.py tests/gpu/test_training.py tests/gpu/test_sanitizer.py)
+"$PY" -m pytest -v -rA --tb=short -p no:cacheprovider --junitxml="$LOG/junit.xml" \
+  "${files[@]}" "$@" 2>&1 | tee "$LOG/suite.log"
+rc=${PIPESTATUS[0]}
+
+build_status="skipped"
+if [ -n "$build_pid" ]; then
+  if wait "$build_pid"; then build_status="ok"; else build_status="FAILED (see device-build.log)"; fi
+fi
+
+{
+  echo "== summary ($((SECONDS - start)) s)"
+  grep -E "^(tests/gpu/.*(PASSED|FAILED|ERROR|SKIPPED))" "$LOG/suite.log" | sed 's/ *\[.*%\]//' | sort | uniq
+  tail -1 "$LOG/suite.log"
+  echo "cmake build against the installed torch: $build_status"
+  if [ -f "$LOG/training.json" ]; then
+    "$PY" - "$LOG/training.json" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"training ({d['model']}, {d['steps']} steps): losses identical to native {d['identical_losses']}/{d['steps']}, "
+      f"max relative difference {d['max_rel_loss_diff_vs_native']:.3g}")
+print("\n".join(d["table"]))
+EOF
+  fi
+} | tee "$LOG/summary.txt"
+exit "$rc"
