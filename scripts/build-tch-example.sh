@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Builds the tch example (examples/tch-train: a transformer trained with tch under gmlake or
+# the native allocator) against PyPI's torch wheel, on a machine without a GPU, and checks
+# that the binary keeps libtorch_cuda.so linked. CI runs it to prove the tch side builds.
+#
+#   scripts/build-tch-example.sh [--bundle [DIR]] [--skip-lib-test]
+#
+# Downloads (cached under .artifacts/, ignored by git): torch==$TORCH_VERSION (cp312,
+# manylinux_2_28, --no-deps; the wheel is shared with scripts/build-torch-ext.sh), unpacked to
+# .artifacts/libtorch-$TORCH_VERSION/torch (include/, lib/, version.py). Builds in
+# target/tch-train with LIBTORCH=<that>/torch LIBTORCH_CXX11_ABI=1.
+#
+# When libgmlake_torch.so is built (build/torch-ext, by scripts/build-torch-ext.sh), also
+# runs gmlake-tch's test against it (install into torch's libraries without a GPU), unless
+# --skip-lib-test.
+#
+# --bundle [DIR]: also build libgmlake_torch.so (scripts/build-torch-ext.sh --out DIR) and copy
+# the example binary there without debug info: DIR (default .artifacts/tch) is what
+# scripts/tch-gpu.sh needs on the GPU machine.
+# Environment: TORCH_VERSION (2.11.0), GMLAKE_ARTIFACTS (.artifacts), CARGO_BUILD_JOBS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+TORCH_VERSION="${TORCH_VERSION:-2.11.0}"
+ART="${GMLAKE_ARTIFACTS:-$ROOT/.artifacts}"
+BUNDLE=""
+LIB_TEST=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bundle)
+      if [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; then BUNDLE="$2"; shift 2; else BUNDLE="$ART/tch"; shift; fi ;;
+    --bundle=*) BUNDLE="${1#--bundle=}"; shift ;;
+    --skip-lib-test) LIB_TEST=0; shift ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "build-tch-example: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+start=$SECONDS
+log() { printf '[build-tch-example %ss] %s\n' "$((SECONDS - start))" "$*"; }
+
+if ! command -v cargo >/dev/null 2>&1 && [ -f scripts/ensure-rust.sh ]; then
+  # shellcheck source=scripts/ensure-rust.sh
+  source scripts/ensure-rust.sh
+fi
+
+# ---- torch: include/, lib/ (libtorch*, libc10*), version.py
+LT_ROOT="$ART/libtorch-$TORCH_VERSION"
+LIBTORCH_DIR="$LT_ROOT/torch"
+if [ ! -f "$LT_ROOT/.complete" ]; then
+  mkdir -p "$ART/dl"
+  whl=$(ls "$ART"/dl/torch-"$TORCH_VERSION"-cp312-*manylinux*x86_64.whl 2>/dev/null | head -1 || true)
+  if [ -z "$whl" ]; then
+    log "downloading torch==$TORCH_VERSION (cp312, manylinux_2_28; ~530 MB, cached in $ART/dl)"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$ART/dl" \
+      "torch==$TORCH_VERSION"
+    whl=$(ls "$ART"/dl/torch-"$TORCH_VERSION"-cp312-*manylinux*x86_64.whl | head -1)
+  fi
+  log "unpacking torch/include, torch/lib, torch/version.py from $(basename "$whl")"
+  rm -rf "$LT_ROOT.tmp"
+  mkdir -p "$LT_ROOT.tmp"
+  python3 - "$whl" "$LT_ROOT.tmp" <<'EOF'
+import sys, zipfile
+whl, dest = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(whl) as z:
+    for n in z.namelist():
+        if n.startswith("torch/include/") or n == "torch/version.py" or (
+            n.startswith("torch/lib/") and ".so" in n and "torch_python" not in n
+        ):
+            z.extract(n, dest)
+EOF
+  touch "$LT_ROOT.tmp/.complete"
+  rm -rf "$LT_ROOT" && mv "$LT_ROOT.tmp" "$LT_ROOT"
+fi
+log "torch $(sed -n "s/^__version__ = '\(.*\)'/\1/p" "$LIBTORCH_DIR/version.py") at $LIBTORCH_DIR"
+
+# ---- the example
+export LIBTORCH="$LIBTORCH_DIR" LIBTORCH_CXX11_ABI=1
+export CARGO_TARGET_DIR="$ROOT/target/tch-train"
+log "cargo build --release (examples/tch-train; torch-sys compiles libtorch's C API: minutes)"
+(cd examples/tch-train && cargo build --release --locked)
+log "cargo fmt --check, cargo clippy -D warnings (examples/tch-train)"
+(cd examples/tch-train && cargo fmt -- --check && cargo clippy --release --locked -q -- -D warnings)
+BIN="$CARGO_TARGET_DIR/release/tch-train"
+needed=$(readelf -d "$BIN" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')
+case " $needed " in
+  *" libtorch_cuda.so "*) ;;
+  *) echo "build-tch-example: $BIN does not link libtorch_cuda.so (needs: $needed)" >&2; exit 1 ;;
+esac
+log "ok: $BIN ($(du -h "$BIN" | cut -f1)); needs: $needed"
+
+# ---- gmlake-tch against the real library (no GPU needed)
+EXT_LIB="$ROOT/build/torch-ext/libgmlake_torch.so"
+CUDART_DIR=$(ls -d "$ART"/cuda-*/nvidia/cu*/lib 2>/dev/null | head -1 || true)
+if [ "$LIB_TEST" = 1 ] && [ -f "$EXT_LIB" ] && [ -n "$CUDART_DIR" ]; then
+  log "gmlake-tch's test against $EXT_LIB"
+  unset CARGO_TARGET_DIR
+  GMLAKE_TCH_TEST_LIBRARY="$EXT_LIB" GMLAKE_TCH_TEST_TORCH_LIB="$LIBTORCH_DIR/lib" \
+    GMLAKE_TCH_TEST_CUDART="$CUDART_DIR" \
+    cargo test --locked -p gmlake-tch --test real_library -- --nocapture
+elif [ "$LIB_TEST" = 1 ]; then
+  log "skipping gmlake-tch's real-library test (no $EXT_LIB or no CUDA runtime under $ART: run scripts/build-torch-ext.sh first)"
+fi
+
+# ---- the bundle for the GPU machine
+if [ -n "$BUNDLE" ]; then
+  mkdir -p "$BUNDLE"
+  bash scripts/build-torch-ext.sh --out "$BUNDLE"
+  objcopy --strip-debug "$BIN" "$BUNDLE/tch-train"
+  log "bundle $BUNDLE: $(cd "$BUNDLE" && du -h tch-train libgmlake_torch.so | tr '\t\n' ' ')"
+fi
+log "done"
