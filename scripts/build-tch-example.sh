@@ -3,16 +3,22 @@
 # the native allocator) against PyPI's torch wheel, on a machine without a GPU, and checks
 # that the binary keeps libtorch_cuda.so linked. CI runs it to prove the tch side builds.
 #
-#   scripts/build-tch-example.sh [--bundle [DIR]] [--skip-lib-test]
+#   scripts/build-tch-example.sh [--bundle [DIR]] [--skip-lib-test] [--skip-smoke]
 #
 # Downloads (cached under .artifacts/, ignored by git): torch==$TORCH_VERSION (cp312,
 # manylinux_2_28, --no-deps; the wheel is shared with scripts/build-torch-ext.sh), unpacked to
 # .artifacts/libtorch-$TORCH_VERSION/torch (include/, lib/, version.py). Builds in
 # target/tch-train with LIBTORCH=<that>/torch LIBTORCH_CXX11_ABI=1.
 #
-# When libgmlake_torch.so is built (build/torch-ext, by scripts/build-torch-ext.sh), also
-# runs gmlake-tch's test against it (install into torch's libraries without a GPU), unless
-# --skip-lib-test.
+# Then a smoke test without a GPU (unless --skip-smoke): the example built with the feature
+# no-cuda-link (libc10_cuda.so linked, libtorch_cuda.so not: it runs where CUDA's libraries
+# are missing, given libcudart and libcupti, downloaded from PyPI's nvidia-cuda-runtime and
+# nvidia-cuda-cupti 13.0 wheels, 12 MB) trains a tiny model on the CPU for 3 steps under
+# --allocator native, and, when libgmlake_torch.so is built (build/torch-ext, by
+# scripts/build-torch-ext.sh), under --allocator gmlake: gmlake installs into the tch
+# process's libc10_cuda and becomes torch's CUDA allocator; the losses must be identical.
+# With that library, also runs gmlake-tch's test against it (install, accessors, errors)
+# unless --skip-lib-test.
 #
 # --bundle [DIR]: also build libgmlake_torch.so (scripts/build-torch-ext.sh --out DIR) and copy
 # the example binary there without debug info: DIR (default .artifacts/tch) is what
@@ -26,13 +32,15 @@ TORCH_VERSION="${TORCH_VERSION:-2.11.0}"
 ART="${GMLAKE_ARTIFACTS:-$ROOT/.artifacts}"
 BUNDLE=""
 LIB_TEST=1
+SMOKE=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --bundle)
       if [ $# -gt 1 ] && [ "${2#--}" = "$2" ]; then BUNDLE="$2"; shift 2; else BUNDLE="$ART/tch"; shift; fi ;;
     --bundle=*) BUNDLE="${1#--bundle=}"; shift ;;
     --skip-lib-test) LIB_TEST=0; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --skip-smoke) SMOKE=0; shift ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "build-tch-example: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -92,8 +100,61 @@ case " $needed " in
 esac
 log "ok: $BIN ($(du -h "$BIN" | cut -f1)); needs: $needed"
 
-# ---- gmlake-tch against the real library (no GPU needed)
 EXT_LIB="$ROOT/build/torch-ext/libgmlake_torch.so"
+
+# ---- smoke test on the CPU
+if [ "$SMOKE" = 1 ]; then
+  SMOKE_LIBS="$ART/tch-smoke-libs"
+  if [ ! -f "$SMOKE_LIBS/libcupti.so.13" ] || [ ! -f "$SMOKE_LIBS/libcudart.so.13" ]; then
+    log "downloading nvidia-cuda-runtime and nvidia-cuda-cupti 13.0 (libcudart, libcupti: 12 MB)"
+    plats=()
+    for n in 17 24 25 27 28; do plats+=(--platform "manylinux_2_${n}_x86_64"); done
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp "${plats[@]}" --platform manylinux2014_x86_64 -d "$ART/dl" \
+      "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cupti==13.0.*"
+    mkdir -p "$SMOKE_LIBS"
+    python3 - "$SMOKE_LIBS" "$ART"/dl/nvidia_cuda_runtime-13.0.*.whl "$ART"/dl/nvidia_cuda_cupti-13.0.*.whl <<'EOF'
+import os, sys, zipfile
+dest, wheels = sys.argv[1], sys.argv[2:]
+for w in wheels:
+    with zipfile.ZipFile(w) as z:
+        for n in z.namelist():
+            if os.path.basename(n) in ("libcudart.so.13", "libcupti.so.13"):
+                with open(os.path.join(dest, os.path.basename(n)), "wb") as f:
+                    f.write(z.read(n))
+EOF
+  fi
+  log "smoke test: tch-train built with no-cuda-link, 3 steps of a tiny model on the CPU"
+  (cd examples/tch-train && cargo build --release --locked -q --features no-cuda-link)
+  SMOKE_BIN="$CARGO_TARGET_DIR/release/tch-train-cpu"
+  cp "$BIN" "$SMOKE_BIN"
+  (cd examples/tch-train && cargo build --release --locked -q) # the CUDA binary back in place
+  SMOKE_DIR="$CARGO_TARGET_DIR/smoke"
+  mkdir -p "$SMOKE_DIR"
+  tiny=(--cpu --steps 3 --layers 2 --d-model 64 --heads 4 --vocab 32 --min-seq 8 --max-seq 48 --tokens 256)
+  LD_LIBRARY_PATH="$LIBTORCH_DIR/lib:$SMOKE_LIBS" "$SMOKE_BIN" --allocator native "${tiny[@]}" \
+    --json "$SMOKE_DIR/native.json" | tee "$SMOKE_DIR/native.log"
+  if [ -f "$EXT_LIB" ]; then
+    LD_LIBRARY_PATH="$LIBTORCH_DIR/lib:$SMOKE_LIBS" "$SMOKE_BIN" --allocator gmlake --library "$EXT_LIB" \
+      "${tiny[@]}" --json "$SMOKE_DIR/gmlake.json" | tee "$SMOKE_DIR/gmlake.log"
+    grep -q '^gmlake: Installed from' "$SMOKE_DIR/gmlake.log" \
+      || { echo "build-tch-example: smoke: gmlake was not installed" >&2; exit 1; }
+    grep -q "torch's CUDA allocator is gmlake::" "$SMOKE_DIR/gmlake.log" \
+      || { echo "build-tch-example: smoke: torch's CUDA allocator is not gmlake's" >&2; exit 1; }
+    python3 - "$SMOKE_DIR" <<'EOF'
+import json, sys
+n, g = (json.load(open(f"{sys.argv[1]}/{k}.json")) for k in ("native", "gmlake"))
+assert n["data_check_ok"] and g["data_check_ok"], "data check failed"
+assert n["losses"] == g["losses"], f"losses differ: {n['losses']} vs {g['losses']}"
+assert n["logits_hash"] == g["logits_hash"], "logits differ"
+print(f"[build-tch-example] smoke: ok, identical losses {g['losses']}")
+EOF
+  else
+    log "smoke: no $EXT_LIB (scripts/build-torch-ext.sh builds it): gmlake run skipped"
+  fi
+fi
+
+# ---- gmlake-tch against the real library (no GPU needed)
 CUDART_DIR=$(ls -d "$ART"/cuda-*/nvidia/cu*/lib 2>/dev/null | head -1 || true)
 if [ "$LIB_TEST" = 1 ] && [ -f "$EXT_LIB" ] && [ -n "$CUDART_DIR" ]; then
   log "gmlake-tch's test against $EXT_LIB"

@@ -32,7 +32,12 @@ fn main() {
     // Nothing in a tch program refers to libtorch_cuda.so's symbols, so the linker's default
     // --as-needed drops it and CUDA is missing at run time (no CUDA device, and no
     // libc10_cuda.so for gmlake to install into). Keep it.
-    if lib.join("libtorch_cuda.so").exists() {
+    if std::env::var_os("CARGO_FEATURE_NO_CUDA_LINK").is_some() {
+        // Smoke-test build: torch's CUDA allocator library only.
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        println!("cargo:rustc-link-arg=-lc10_cuda");
+        println!("cargo:rustc-link-arg=-Wl,--as-needed");
+    } else if lib.join("libtorch_cuda.so").exists() {
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch_cuda");
         println!("cargo:rustc-link-arg=-ltorch");

@@ -111,6 +111,7 @@ struct Options {
     lr: f64,
     json: Option<String>,
     install_late: bool,
+    cpu: bool,
     quiet: bool,
 }
 
@@ -132,6 +133,8 @@ options:
   --json PATH                 write a summary as JSON
   --install-late              create a CUDA tensor first, then install gmlake: expect a
                               'too late' error (exit 0 when it comes, 1 otherwise)
+  --cpu                       train on the CPU (a smoke test where there is no GPU; gmlake
+                              is still installed with --allocator gmlake, and unused)
   --quiet                     print every 10th step only
 ";
 
@@ -153,6 +156,7 @@ fn parse_args() -> Result<Options, String> {
         lr: 3e-4,
         json: None,
         install_late: false,
+        cpu: false,
         quiet: false,
     };
     let mut args = std::env::args().skip(1);
@@ -184,6 +188,7 @@ fn parse_args() -> Result<Options, String> {
             "--lr" => o.lr = num("--lr", value("--lr")?)?,
             "--json" => o.json = Some(value("--json")?),
             "--install-late" => o.install_late = true,
+            "--cpu" => o.cpu = true,
             "--quiet" => o.quiet = true,
             "-h" | "--help" => {
                 print!("{USAGE}");
@@ -194,6 +199,9 @@ fn parse_args() -> Result<Options, String> {
     }
     if o.min_seq < 2 || o.max_seq < o.min_seq {
         return Err("need 2 <= --min-seq <= --max-seq".into());
+    }
+    if o.cpu && o.install_late {
+        return Err("--install-late needs a GPU (not --cpu)".into());
     }
     if o.heads <= 0 || o.d_model % o.heads != 0 {
         return Err("--d-model must be a multiple of --heads".into());
@@ -459,10 +467,18 @@ fn run(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
         }
         _ => None,
     };
-    if !tch::Cuda::is_available() {
+    let dev = if o.cpu {
+        Device::Cpu
+    } else if tch::Cuda::is_available() {
+        Device::Cuda(o.device as usize)
+    } else {
         return Err("no CUDA device (is libtorch_cuda.so loaded? is there a GPU?)".into());
-    }
-    let dev = Device::Cuda(o.device as usize);
+    };
+    let sync = || {
+        if !o.cpu {
+            tch::Cuda::synchronize(o.device as i64);
+        }
+    };
 
     if o.install_late {
         let _first = Tensor::ones([1024], (Kind::Float, dev));
@@ -487,6 +503,7 @@ fn run(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
     if let Some(gm) = &gm {
         println!("gmlake active backend: {:?}", gm.active_backend());
     }
+    println!("device: {dev:?}");
 
     // 1. Data check on a fresh allocator.
     let t0 = Instant::now();
@@ -547,7 +564,7 @@ fn run(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
             println!("step {step:4} len {len:5} batch {b:4} loss {l:.8}");
         }
     }
-    tch::Cuda::synchronize(o.device as i64);
+    sync();
     let train_secs = train_start.elapsed().as_secs_f64();
 
     // 3. A checksum of computed data: the logits of a fixed batch, bit for bit.
@@ -575,7 +592,29 @@ fn run(o: &Options) -> Result<(), Box<dyn std::error::Error>> {
         check_end.checksum,
         check_end.detail
     );
-    tch::Cuda::synchronize(o.device as i64);
+    sync();
+    if o.cpu {
+        // No CUDA memory to report.
+        if let Some(path) = &o.json {
+            let losses: Vec<String> = losses.iter().map(|l| format!("{l:.8}")).collect();
+            std::fs::write(
+                path,
+                format!(
+                    "{{\"allocator\":\"{name}\",\"device\":\"cpu\",\"losses\":[{}],\
+                     \"logits_hash\":\"{logits_hash:016x}\",\"data_check_ok\":{},\
+                     \"data_checksum\":[{},{}]}}\n",
+                    losses.join(","),
+                    check_start.ok && check_end.ok,
+                    check_start.checksum,
+                    check_end.checksum
+                ),
+            )?;
+        }
+        if !(check_start.ok && check_end.ok) {
+            return Err("data check failed: tensors do not hold what was written".into());
+        }
+        return Ok(());
+    }
 
     // 5. Memory.
     let tm = torch_memory(o.device)?;
