@@ -57,8 +57,14 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.empty_cache()
         snap2 = torch.cuda.memory._snapshot()
         pool_segments_after = [sg for sg in snap2["segments"] if tuple(sg["segment_pool_id"]) != (0, 0)]
-        result(errs=errs, err2=err2, pool_segments=len(pool_segments),
-               pool_segments_after=len(pool_segments_after), stitches=gmlake.stats()["gmlake.stitches"])
+        # What may stay: pages under blocks still allocated (e.g. the RNG state tensors that
+        # torch allocates once, during the first capture, and keeps).
+        left = [dict(size=sg["total_size"], pool=sg["segment_pool_id"],
+                     live=[b["size"] for b in sg["blocks"] if b["state"] != "inactive"])
+                for sg in pool_segments_after]
+        result(errs=errs, err2=err2, pool_segments=len(pool_segments), pool_segments_after=left,
+               stitches=gmlake.stats()["gmlake.stitches"],
+               page=gmlake.stats()["gmlake.page_size"])
         """,
     )
     res = r.result
@@ -66,7 +72,9 @@ def test_cuda_graph_capture_and_replay():
     assert max(res["errs"]) < 1e-3, res["errs"]
     assert res["err2"] < 1e-3
     assert res["pool_segments"] >= 1, "captured allocations are not in a private pool"
-    assert res["pool_segments_after"] == 0, "a released graph pool kept memory after empty_cache"
+    for seg in res["pool_segments_after"]:
+        assert seg["live"], f"a released graph pool kept free memory after empty_cache: {seg}"
+        assert seg["size"] <= 2 * res["page"], f"a released graph pool kept more than the pages of its live blocks: {seg}"
 
 
 def test_graphed_callables_training_step():
@@ -80,6 +88,8 @@ def test_graphed_callables_training_step():
         eager, graphed = make(), make()
         x = torch.randn(32, 256, device="cuda", requires_grad=True)
         graphed = torch.cuda.make_graphed_callables(graphed, (x,))
+        for p in graphed.parameters():  # the warm-up iterations accumulated gradients
+            p.grad = None
         errs = []
         for i in range(5):
             inp = torch.randn(32, 256, device="cuda", requires_grad=True)
@@ -178,9 +188,11 @@ def test_mem_pool_and_raw_alloc():
         # Caching off (torch.cuda.memory.caching_allocator_enable(False)): frees return memory.
         if hasattr(torch.cuda.memory, "caching_allocator_enable"):
             torch.cuda.memory.caching_allocator_enable(False)
+            before = torch.cuda.memory_reserved()
             t = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+            during = torch.cuda.memory_reserved()
             del t
-            out["cached_uncached"] = gmlake.stats()["gmlake.cached_bytes"]
+            out["uncached"] = [before, during, torch.cuda.memory_reserved()]
             torch.cuda.memory.caching_allocator_enable(True)
         # Threads allocating and freeing concurrently on their own streams.
         import threading
@@ -210,6 +222,7 @@ def test_mem_pool_and_raw_alloc():
         assert res["b_pool"] == [0, 0]
     assert res["raw_delta"] >= 3 * (1 << 20) and res["raw_after"] == 0
     assert res["conv_ok"]
-    if "cached_uncached" in res:
-        assert res["cached_uncached"] == 0, "with caching off, a free must not leave memory cached"
+    if "uncached" in res:
+        before, during, after = res["uncached"]
+        assert after < during and after <= before, "with caching off, a free must give the memory back"
     assert res["thread_errors"] == []

