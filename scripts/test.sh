@@ -21,9 +21,20 @@ if [ -x scripts/build-torch-ext.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
   step "C++ allocator against the torch 2.11.0 wheel"
   bash scripts/build-torch-ext.sh
 fi
-step "python package"
-if [ -d python/tests ]; then
-  python3 -m pytest -q python/tests
+if [ -x scripts/build-tch-example.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
+  step "tch example against the torch 2.11.0 wheel"
+  bash scripts/build-tch-example.sh
+fi
+step "python tests (no GPU: bench report, package)"
+pydirs=()
+for d in bench/tests python/tests; do [ -d "$d" ] && pydirs+=("$d"); done
+if [ ${#pydirs[@]} -gt 0 ]; then
+  if python3 -m pytest --version >/dev/null 2>&1; then
+    python3 -m pytest -q "${pydirs[@]}"
+  else
+    echo "pytest missing: python3 -m pip install pytest" >&2
+    exit 1
+  fi
 fi
 # One closing line with the totals of every cargo test binary.
 awk '/^test result:/ {p+=$4; f+=$6; i+=$8} END {printf "\nrust: %d passed, %d failed, %d skipped\n", p, f, i}' target/test.log

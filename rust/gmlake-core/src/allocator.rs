@@ -266,6 +266,29 @@ impl<D: Device> Allocator<D> {
             .allocate(&self.device, size, rounded, stream, pool)
     }
 
+    /// Makes [ptr, ptr + size) a live allocation again, as if `allocate_in(requested, stream,
+    /// pool)` had returned `ptr`: CUDA graph trees restore a pool to a checkpoint this way.
+    /// The range must be free and mapped in the arena of (stream, pool kind of `size`, pool);
+    /// otherwise `Error::InvalidState` says why. No driver call.
+    pub fn allocate_at(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        requested: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<()> {
+        let size = round_request(size)?;
+        if size == 0 || !ptr.is_multiple_of(BLOCK_ROUND) {
+            return Err(Error::InvalidState(format!(
+                "cannot re-create {size} bytes at {ptr:#x}: empty or unaligned"
+            )));
+        }
+        self.state
+            .lock()
+            .allocate_at(ptr, size, requested, stream, pool)
+    }
+
     /// Frees a pointer from `allocate`. Freeing null is a no-op.
     pub fn free(&self, ptr: DevicePtr) -> Result<()> {
         if ptr == 0 {
@@ -568,6 +591,64 @@ impl State {
                 }
             }
         };
+        self.record_alloc(aid, addr, size, requested, stream, kind);
+        Ok(addr)
+    }
+
+    fn allocate_at(
+        &mut self,
+        ptr: DevicePtr,
+        size: u64,
+        requested: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<()> {
+        let kind = if size <= self.cfg.small_size {
+            PoolKind::Small
+        } else {
+            PoolKind::Large
+        };
+        let key = ArenaKey {
+            stream,
+            kind,
+            graph_pool: pool,
+        };
+        let Some(&aid) = self.arena_of.get(&key) else {
+            return Err(Error::InvalidState(format!(
+                "cannot re-create block at {ptr:#x}: no memory of stream {stream:#x} in pool {pool:?}"
+            )));
+        };
+        self.with_arena(aid, Arena::flush_quick);
+        let fits = match self.arenas[aid as usize].block_containing(ptr) {
+            Some((start, b)) => match b.state {
+                ArenaState::FreeMapped { .. } if ptr + size <= start + b.size => None,
+                ArenaState::FreeMapped { .. } => Some("it runs past the free block there"),
+                ArenaState::Live => Some("it is allocated"),
+                _ => Some("its memory is not mapped any more"),
+            },
+            None => Some("it is not in this pool's memory"),
+        };
+        if let Some(why) = fits {
+            return Err(Error::InvalidState(format!(
+                "cannot re-create block at {ptr:#x} of {size} bytes: {why}"
+            )));
+        }
+        self.now += 1;
+        let now = self.now;
+        self.with_arena(aid, |a| a.carve(ptr, size, now));
+        self.record_alloc(aid, ptr, size, requested, stream, kind);
+        Ok(())
+    }
+
+    fn record_alloc(
+        &mut self,
+        aid: u32,
+        addr: DevicePtr,
+        size: u64,
+        requested: u64,
+        stream: StreamId,
+        kind: PoolKind,
+    ) {
         self.live.insert(
             addr,
             LiveBlock {
@@ -586,7 +667,6 @@ impl State {
         s.active.increase(kind, 1);
         s.active_bytes.increase(kind, size as i64);
         self.trace(TraceAction::Alloc, addr, size, stream);
-        Ok(addr)
     }
 
     fn allocate_slow<D: Device>(

@@ -575,6 +575,12 @@ impl Arena {
         self.free_mapped.iter().next_back().map_or(0, |e| e.0)
     }
 
+    /// The block containing `ptr`: (start, block).
+    pub fn block_containing(&self, ptr: u64) -> Option<(u64, Block)> {
+        let (&a, &b) = self.blocks.range(..=ptr).next_back()?;
+        (ptr < a + b.size).then_some((a, b))
+    }
+
     /// The live block containing `ptr`: (base, size).
     pub fn live_containing(&self, ptr: u64) -> Option<(u64, u64)> {
         let (&a, b) = self.blocks.range(..=ptr).next_back()?;

@@ -533,3 +533,60 @@ fn allocator_is_send_and_sync() {
     fn check<T: Send + Sync>() {}
     check::<Allocator<SimDevice>>();
 }
+
+#[test]
+fn a_pending_free_does_not_make_others_wait_when_memory_is_available() {
+    let (_dev, a) = setup_async(80 << 30, Config::default());
+    let _one = a.allocate(4, 1).unwrap();
+    let x = a.allocate(256 * MIB, 1).unwrap();
+    a.record_stream(x, 2).unwrap();
+    a.free(x).unwrap();
+    let z = a.allocate(256 * MIB, 1).unwrap();
+    assert_ne!(z, x, "x may still be read by stream 2");
+    let s = a.stats();
+    assert_eq!(
+        (s.num_alloc_retries, s.num_sync_all_streams),
+        (0, 0),
+        "{s:?}"
+    );
+}
+
+#[test]
+fn allocate_at_recreates_a_freed_block_of_a_graph_pool() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    let pool = GraphPoolId(3, 1);
+    a.begin_allocate_to_pool(pool);
+    let p = a.allocate_in(6 * MIB, 4, pool).unwrap();
+    let q = a.allocate_in(64 << 10, 4, pool).unwrap();
+    a.end_allocate_to_pool(pool);
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    // Back at the checkpoint: both are live again, at their addresses.
+    a.allocate_at(p, 6 * MIB, 6 * MIB, 4, pool).unwrap();
+    a.allocate_at(q, 64 << 10, 1000, 4, pool).unwrap();
+    assert_eq!(a.allocation(p).unwrap().size, 6 * MIB);
+    assert_eq!(a.allocation(q).unwrap().requested, 1000);
+    a.verify().unwrap();
+    // Errors: live already, wrong pool, past the free block, unknown memory.
+    assert!(matches!(
+        a.allocate_at(p, 6 * MIB, 1, 4, pool),
+        Err(Error::InvalidState(_))
+    ));
+    assert!(matches!(
+        a.allocate_at(p, 6 * MIB, 1, 4, GraphPoolId::DEFAULT),
+        Err(Error::InvalidState(_))
+    ));
+    a.free(p).unwrap();
+    assert!(matches!(
+        a.allocate_at(p, 1 << 29, 1, 4, pool),
+        Err(Error::InvalidState(_))
+    ));
+    assert!(matches!(
+        a.allocate_at(0x1000, MIB * 2, 1, 4, pool),
+        Err(Error::InvalidState(_))
+    ));
+    // A part of a free block can be re-created too.
+    a.allocate_at(p + 2 * MIB, 2 * MIB, 2 * MIB, 4, pool)
+        .unwrap();
+    a.verify().unwrap();
+}
