@@ -907,7 +907,7 @@ int Impl::pool_use_count(int device, PoolId pool) {
   return it == ds.pool_use.end() ? 0 : it->second;
 }
 
-std::vector<std::pair<uint64_t, uint64_t>> Impl::live_blocks_in_pool(int device, PoolId pool) {
+std::vector<Impl::PoolBlock> Impl::live_blocks_in_pool(int device, PoolId pool) {
   const ffi::Gmlake& c = core(device);
   ffi::SnapshotRecord snap;
   try {
@@ -915,18 +915,18 @@ std::vector<std::pair<uint64_t, uint64_t>> Impl::live_blocks_in_pool(int device,
   } catch (const rust::Error& e) {
     TORCH_CHECK(false, "gmlake: ", e.what());
   }
-  std::vector<std::pair<uint64_t, uint64_t>> out;
+  std::vector<PoolBlock> out;
   for (const auto& seg : snap.segments) {
     if (seg.pool_first != pool.first || seg.pool_second != pool.second) {
       continue;
     }
     for (const auto& b : seg.blocks) {
       if (b.state == 0) {
-        out.emplace_back(b.address, b.size);
+        out.push_back(PoolBlock{b.address, b.size, b.requested_size, seg.stream});
       }
     }
   }
-  std::sort(out.begin(), out.end());
+  std::sort(out.begin(), out.end(), [](const PoolBlock& x, const PoolBlock& y) { return x.address < y.address; });
   return out;
 }
 
@@ -943,7 +943,7 @@ bool Impl::check_pool_live_allocations(
     return false;
   }
   for (const auto& b : live) {
-    if (expected.count(b.first) == 0) {
+    if (expected.count(b.address) == 0) {
       return false;
     }
   }
@@ -953,31 +953,50 @@ bool Impl::check_pool_live_allocations(
 std::vector<void*> Impl::restore_pool_checkpoint(
     int device,
     PoolId pool,
-    const std::vector<std::pair<uint64_t, uint64_t>>& checkpoint) {
-  auto live = live_blocks_in_pool(device, pool);
-  std::map<uint64_t, uint64_t> now(live.begin(), live.end());
-  // Every block of the checkpoint must be allocated now, at the same address and size: gmlake
-  // cannot re-create a freed block at a given address.
-  for (const auto& b : checkpoint) {
-    auto it = now.find(b.first);
-    TORCH_CHECK(
-        it != now.end() && it->second == b.second,
-        "gmlake: restoring a CUDA graph pool checkpoint that needs freed blocks re-created "
-        "(setCheckpointPoolState, used by torch.compile's CUDA graph trees when a tree "
-        "branches) is unsupported by gmlake; the block at ",
-        reinterpret_cast<void*>(static_cast<uintptr_t>(b.first)),
-        " of ",
-        b.second,
-        " bytes is not allocated now");
-    now.erase(it);
+    const std::vector<PoolBlock>& checkpoint) {
+  const ffi::Gmlake& c = core(device);
+  DeviceState& ds = *devices_[device];
+  std::map<uint64_t, PoolBlock> now;
+  for (const auto& b : live_blocks_in_pool(device, pool)) {
+    now.emplace(b.address, b);
   }
-  // Blocks allocated since the checkpoint are freed (the caller passes their storages as
-  // stale).
+  std::vector<const PoolBlock*> missing;
+  for (const auto& b : checkpoint) {
+    auto it = now.find(b.address);
+    if (it != now.end() && it->second.size == b.size) {
+      now.erase(it); // allocated then and now: unchanged
+    } else {
+      missing.push_back(&b);
+    }
+  }
+  // Blocks allocated since the checkpoint are freed first (the caller passes their storages
+  // as stale), so that their ranges are free for the blocks to re-create.
   std::vector<void*> freed;
-  for (const auto& b : now) {
-    void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(b.first));
+  for (const auto& kv : now) {
+    void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(kv.first));
     free(p);
     freed.push_back(p);
+  }
+  for (const PoolBlock* b : missing) {
+    try {
+      if (tracing_.load()) {
+        std::lock_guard<std::mutex> g(ds.trace_mu);
+        c.allocate_at(b->address, b->size, b->requested, b->stream, pool.first, pool.second);
+        drain(ds, nullptr, nullptr);
+      } else {
+        c.allocate_at(b->address, b->size, b->requested, b->stream, pool.first, pool.second);
+      }
+    } catch (const rust::Error& e) {
+      TORCH_CHECK(
+          false,
+          "gmlake: cannot restore the CUDA graph pool checkpoint (setCheckpointPoolState): the "
+          "block at ",
+          reinterpret_cast<void*>(static_cast<uintptr_t>(b->address)),
+          " of ",
+          b->size,
+          " bytes cannot be allocated again: ",
+          e.what());
+    }
   }
   return freed;
 }

@@ -177,15 +177,22 @@ class Impl {
       int device,
       PoolId pool,
       const std::vector<void*>& expected_live);
-  // Allocated blocks (address, size) of a graph pool, in address order.
-  std::vector<std::pair<uint64_t, uint64_t>> live_blocks_in_pool(int device, PoolId pool);
-  // Brings a pool back to a checkpoint taken with live_blocks_in_pool: blocks allocated since
-  // are freed (returned); a checkpointed block that is no longer allocated cannot be
-  // re-created at its address: that throws a c10::Error saying so.
+  struct PoolBlock {
+    uint64_t address;
+    uint64_t size;
+    uint64_t requested;
+    uint64_t stream;
+  };
+  // Allocated blocks of a graph pool, in address order.
+  std::vector<PoolBlock> live_blocks_in_pool(int device, PoolId pool);
+  // Brings a pool back to a checkpoint taken with live_blocks_in_pool (CUDA graph trees):
+  // blocks allocated since are freed (returned); checkpointed blocks freed since are
+  // allocated again at their addresses. Throws a c10::Error if that is impossible (the range
+  // was reused differently).
   std::vector<void*> restore_pool_checkpoint(
       int device,
       PoolId pool,
-      const std::vector<std::pair<uint64_t, uint64_t>>& checkpoint);
+      const std::vector<PoolBlock>& checkpoint);
 
   // History.
   void record_history(

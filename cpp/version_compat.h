@@ -403,14 +403,13 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
     return impl_.memcpy_async(dst, dstDevice, src, srcDevice, count, stream, p2p_enabled);
   }
   // torch.compile's CUDA graph trees take a checkpoint after every recording and restore one
-  // when a tree branches. The checkpoint is the pool's allocated blocks; a restore succeeds
-  // when those blocks are still allocated (blocks allocated since are freed), which covers
-  // recording and replay; re-creating freed blocks at their addresses is unsupported and
-  // fails with a c10::Error saying so.
+  // when a tree branches. The checkpoint is the pool's allocated blocks; a restore frees the
+  // blocks allocated since and allocates the checkpoint's blocks freed since, at their
+  // addresses (the core's allocate_at).
   struct PoolCheckpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
     int device = 0;
     PoolId pool{0, 0};
-    std::vector<std::pair<uint64_t, uint64_t>> blocks;
+    std::vector<Impl::PoolBlock> blocks;
   };
   std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
       c10::DeviceIndex device,
@@ -432,7 +431,7 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
     // As PyTorch's allocator: the checkpoint's blocks count as freed and allocated again at the
     // same addresses; the caller attaches these DataPtrs to the storages that own them.
     for (const auto& b : state->blocks) {
-      void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(b.first));
+      void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(b.address));
       delta.ptrs_freed.push_back(p);
       delta.dataptrs_allocd.emplace_back(
           p, p, &local_raw_delete, c10::Device(c10::DeviceType::CUDA, device));

@@ -320,14 +320,18 @@ def test_record_stream_delays_reuse():
     if RECORD:
         x.record_stream(side)
     xp = x.data_ptr()
-    s0 = torch.cuda.memory_stats()
+    s0 = gmlake.stats() if ALLOCATOR == "gmlake" else torch.cuda.memory_stats()
     t0 = time.perf_counter()
     del x
     z = torch.empty(N, device="cuda")
-    z.fill_(-7.0)
-    host_s = time.perf_counter() - t0
-    s1 = torch.cuda.memory_stats()
+    alloc_s = time.perf_counter() - t0
+    # Early reuse, structurally: x's memory handed out while the side stream still runs.
+    side_busy = not side.query()
     zp = z.data_ptr()
+    z.fill_(-7.0)
+    s1 = gmlake.stats() if ALLOCATOR == "gmlake" else torch.cuda.memory_stats()
+    delta = {k: s1[k] - s0[k] for k in s1 if (k.startswith("gmlake.driver_calls") or k.startswith("num_"))
+             and isinstance(s1[k], int) and s1[k] != s0.get(k)}
     torch.cuda.synchronize()
     ok = bool((y == 2).all().item())
     corrupted = bool((y == -14).any().item())
@@ -335,14 +339,17 @@ def test_record_stream_delays_reuse():
     del y, z
     torch.cuda.synchronize()
     w = [torch.empty(N, device="cuda") for _ in range(2)]
-    result(ok=ok, corrupted=corrupted, same_ptr=(zp == xp), reused_later=any(t.data_ptr() == xp for t in w),
-           free_alloc_fill_host_s=host_s,
-           syncs=s1["num_sync_all_streams"] - s0["num_sync_all_streams"],
-           retries=s1["num_alloc_retries"] - s0["num_alloc_retries"])
+    result(ok=ok, corrupted=corrupted, same_ptr=(zp == xp), side_busy_at_alloc=side_busy,
+           early_reuse=(zp == xp) and side_busy, reused_later=any(t.data_ptr() == xp for t in w),
+           free_and_alloc_host_s=alloc_s, stat_deltas=delta)
     """
     r = run_python("record_stream", "RECORD = True\n" + dedent(code))
     res = r.result
     print("record_stream:", res)
+    if not res["side_busy_at_alloc"]:
+        print(f"note: the allocation returned after the side stream finished "
+              f"({res['free_and_alloc_host_s']:.3f} s): the allocator waited for it")
+    assert not res["early_reuse"], "x's memory was handed out while the side stream still used it"
     assert res["ok"] and not res["corrupted"], "memory reused before the side stream finished with it"
     # Control without record_stream: shows that the test sees early reuse (informational:
     # a free on the allocation stream may be reused at once, as in PyTorch).

@@ -31,6 +31,14 @@ impl PeerAccess for gmlake_cuda::CudaDevice {
 pub trait Core: Send + Sync {
     fn allocate(&self, size: u64, stream: StreamId) -> Result<DevicePtr>;
     fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr>;
+    fn allocate_at(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        requested: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<()>;
     fn free(&self, ptr: DevicePtr) -> Result<()>;
     fn record_stream(&self, ptr: DevicePtr, stream: StreamId) -> Result<()>;
     fn empty_cache(&self) -> Result<()>;
@@ -63,6 +71,16 @@ impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
     }
     fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr> {
         Allocator::allocate_in(self, size, stream, pool)
+    }
+    fn allocate_at(
+        &self,
+        ptr: DevicePtr,
+        size: u64,
+        requested: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<()> {
+        Allocator::allocate_at(self, ptr, size, requested, stream, pool)
     }
     fn free(&self, ptr: DevicePtr) -> Result<()> {
         Allocator::free(self, ptr)

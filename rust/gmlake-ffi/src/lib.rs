@@ -215,6 +215,17 @@ pub mod ffi {
             pool_first: u64,
             pool_second: u64,
         ) -> AllocOutcome;
+        /// Makes [ptr, ptr + size) a live allocation of pool (pool_first, pool_second) again
+        /// (a CUDA graph tree checkpoint restore); the range must be free and mapped there.
+        fn allocate_at(
+            self: &Gmlake,
+            ptr: u64,
+            size: u64,
+            requested: u64,
+            stream: u64,
+            pool_first: u64,
+            pool_second: u64,
+        ) -> Result<()>;
         fn free_ptr(self: &Gmlake, ptr: u64) -> FreeOutcome;
         fn record_stream(self: &Gmlake, ptr: u64, stream: u64) -> FreeOutcome;
         fn empty_cache(self: &Gmlake) -> Result<()>;
@@ -606,6 +617,28 @@ impl Gmlake {
     ) -> AllocOutcome {
         self.alloc_common(size, |c| {
             c.allocate_in(size, stream, GraphPoolId(pool_first, pool_second))
+        })
+    }
+
+    fn allocate_at(
+        &self,
+        ptr: u64,
+        size: u64,
+        requested: u64,
+        stream: u64,
+        pool_first: u64,
+        pool_second: u64,
+    ) -> Result<(), String> {
+        guard("allocate_at", || {
+            self.core
+                .allocate_at(
+                    ptr,
+                    size,
+                    requested,
+                    stream,
+                    GraphPoolId(pool_first, pool_second),
+                )
+                .map_err(core_err)
         })
     }
 

@@ -156,3 +156,19 @@ fn memory_fraction_round_trip() {
     assert_eq!(a.memory_fraction().unwrap(), 0.5);
     assert!(a.set_memory_fraction(1.5).is_err());
 }
+
+#[test]
+fn a_freed_pool_block_is_recreated_at_its_address() {
+    let a = sim(GIB, "");
+    a.begin_capture(3, 0).unwrap();
+    let r = a.allocate_in_pool(MIB, 7, 3, 0);
+    assert_eq!(r.status, 0, "{}", r.message);
+    let keep = a.allocate_in_pool(MIB, 7, 3, 0);
+    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    a.end_capture(3, 0).unwrap();
+    a.allocate_at(r.ptr, MIB, MIB, 7, 3, 0).unwrap();
+    let info = a.allocation(r.ptr).unwrap();
+    assert!(info.found && info.size == MIB && (info.pool_first, info.pool_second) == (3, 0));
+    let e = a.allocate_at(keep.ptr, MIB, MIB, 7, 3, 0).unwrap_err();
+    assert!(!e.is_empty());
+}
