@@ -54,6 +54,9 @@ def test_cuda_graph_capture_and_replay():
         import gc
         gc.collect()
         torch.cuda.synchronize()
+        # cuBLAS keeps the workspace it allocated during the capture (in the graph's pool)
+        # until told otherwise, with any allocator (CUDA graph trees clear it too).
+        torch._C._cuda_clearCublasWorkspaces()
         torch.cuda.empty_cache()
         snap2 = torch.cuda.memory._snapshot()
         pool_segments_after = [sg for sg in snap2["segments"] if tuple(sg["segment_pool_id"]) != (0, 0)]
@@ -88,15 +91,19 @@ def test_graphed_callables_training_step():
         eager, graphed = make(), make()
         x = torch.randn(32, 256, device="cuda", requires_grad=True)
         graphed = torch.cuda.make_graphed_callables(graphed, (x,))
-        for p in graphed.parameters():  # the warm-up iterations accumulated gradients
-            p.grad = None
-        errs = []
+        errs, gerrs = [], []
         for i in range(5):
-            inp = torch.randn(32, 256, device="cuda", requires_grad=True)
-            a = eager(inp).square().sum(); a.backward()
-            b = graphed(inp.detach().requires_grad_()).square().sum(); b.backward()
+            # Gradients compared after each step (the graphed backward writes into static
+            # buffers, which autograd may hand to .grad as they are).
+            for p in list(eager.parameters()) + list(graphed.parameters()):
+                p.grad = None
+            inp = torch.randn(32, 256, device="cuda")
+            a = eager(inp.clone().requires_grad_()).square().sum(); a.backward()
+            b = graphed(inp.clone().requires_grad_()).square().sum(); b.backward()
             errs.append(abs(a.item() - b.item()) / max(1.0, abs(a.item())))
-        gerr = max(float((p.grad - q.grad).abs().max()) for p, q in zip(eager.parameters(), graphed.parameters()))
+            gerrs.append(max(float((p.grad - q.grad).abs().max() / max(1e-6, float(p.grad.abs().max())))
+                             for p, q in zip(eager.parameters(), graphed.parameters())))
+        gerr = max(gerrs)
         result(errs=errs, grad_err=gerr)
         """,
     )

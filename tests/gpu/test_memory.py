@@ -301,9 +301,10 @@ def test_out_of_memory_raises_and_process_recovers():
 
 
 def test_record_stream_delays_reuse():
-    # x is read on a side stream by a kernel queued behind a ~1 s sleep; x is freed on the
+    # x is read on a side stream by a kernel queued behind a ~1 s kernel; x is freed on the
     # main stream right away and a same-size tensor is allocated and overwritten there. If
-    # gmlake reused x's memory before the side stream's work completed, y would read the
+    # gmlake handed out x's memory before the side stream's work completed (checked
+    # structurally: same address while the side stream is busy) the read could see the
     # overwrite (-7 * 2) instead of 2.
     code = """
     N = 64 * MiB  # floats: 256 MiB
@@ -312,47 +313,61 @@ def test_record_stream_delays_reuse():
     torch.ones(1, device="cuda")
     torch.cuda._sleep(1000)  # warm up the sleep kernel
     torch.cuda.synchronize()
+    def stats():
+        return gmlake.stats() if ALLOCATOR == "gmlake" else torch.cuda.memory_stats()
+    def deltas(a, b):
+        return {k: b[k] - a.get(k, 0) for k in b if (k.startswith("gmlake.driver_calls") or k.startswith("num_"))
+                and isinstance(b[k], int) and b[k] != a.get(k)}
     x = torch.full((N,), 1.0, device="cuda")
     side.wait_stream(main)
     with torch.cuda.stream(side):
+        y = torch.empty(N, device="cuda")   # allocated before the long kernel is queued
         torch.cuda._sleep(2_000_000_000)
-        y = x * 2
+        torch.mul(x, 2, out=y)
     if RECORD:
         x.record_stream(side)
     xp = x.data_ptr()
-    s0 = gmlake.stats() if ALLOCATOR == "gmlake" else torch.cuda.memory_stats()
+    s0 = stats()
     t0 = time.perf_counter()
     del x
     z = torch.empty(N, device="cuda")
     alloc_s = time.perf_counter() - t0
-    # Early reuse, structurally: x's memory handed out while the side stream still runs.
     side_busy = not side.query()
     zp = z.data_ptr()
     z.fill_(-7.0)
-    s1 = gmlake.stats() if ALLOCATOR == "gmlake" else torch.cuda.memory_stats()
-    delta = {k: s1[k] - s0[k] for k in s1 if (k.startswith("gmlake.driver_calls") or k.startswith("num_"))
-             and isinstance(s1[k], int) and s1[k] != s0.get(k)}
+    main_deltas = deltas(s0, stats())
     torch.cuda.synchronize()
     ok = bool((y == 2).all().item())
     corrupted = bool((y == -14).any().item())
-    # Once the side stream's work is done, the memory is reusable again.
     del y, z
     torch.cuda.synchronize()
-    w = [torch.empty(N, device="cuda") for _ in range(2)]
+    # Diagnostic: a new allocation on a stream that is busy (a long kernel queued) should not
+    # block the host.
+    s1 = stats()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(1_000_000_000)
+        t1 = time.perf_counter()
+        u = torch.empty(N, device="cuda")
+        side_alloc_s = time.perf_counter() - t1
+        side_busy_after = not side.query()
+    side_deltas = deltas(s1, stats())
+    torch.cuda.synchronize()
     result(ok=ok, corrupted=corrupted, same_ptr=(zp == xp), side_busy_at_alloc=side_busy,
-           early_reuse=(zp == xp) and side_busy, reused_later=any(t.data_ptr() == xp for t in w),
-           free_and_alloc_host_s=alloc_s, stat_deltas=delta)
+           early_reuse=(zp == xp) and side_busy, alloc_s=alloc_s, main_deltas=main_deltas,
+           busy_stream_alloc_s=side_alloc_s, busy_stream_still_busy=side_busy_after,
+           busy_stream_deltas=side_deltas)
     """
     r = run_python("record_stream", "RECORD = True\n" + dedent(code))
     res = r.result
     print("record_stream:", res)
-    if not res["side_busy_at_alloc"]:
-        print(f"note: the allocation returned after the side stream finished "
-              f"({res['free_and_alloc_host_s']:.3f} s): the allocator waited for it")
-    assert not res["early_reuse"], "x's memory was handed out while the side stream still used it"
-    assert res["ok"] and not res["corrupted"], "memory reused before the side stream finished with it"
-    # Control without record_stream: shows that the test sees early reuse (informational:
-    # a free on the allocation stream may be reused at once, as in PyTorch).
     c = run_python("record_stream_control", "RECORD = False\n" + dedent(code)).result
     print("control without record_stream (informational):", c)
     write_out("record_stream.json", {"record_stream": res, "control": c})
+    assert res["side_busy_at_alloc"], (
+        f"the side stream was idle when z was allocated ({res['alloc_s']:.3f} s after the free; "
+        f"stat deltas {res['main_deltas']}): the allocator waited for it, or the check proves nothing")
+    assert not res["early_reuse"], "x's memory was handed out while the side stream still used it"
+    assert res["ok"] and not res["corrupted"], "memory reused before the side stream finished with it"
+    if c["side_busy_at_alloc"] and c["same_ptr"]:
+        print("control: without record_stream the memory is reused at once"
+              + (" and the side stream read the overwrite" if c["corrupted"] else ""))
