@@ -376,7 +376,7 @@ GMLAKE_EXPORT int gmlake_device_count(void) {
 
 // The statistics of `device` as a flat JSON object: torch.cuda.memory_stats()'s keys for the
 // DeviceStats fields, plus "gmlake.*" counters (stitches, pages_stitched, cached/retired
-// bytes, driver calls by kind, device free/total, page size). "{}" when the device's
+// bytes, driver calls by kind, device total, page size). "{}" when the device's
 // allocator does not exist yet. Returns the length; copies with a NUL when `len` exceeds it.
 // -1 on error.
 GMLAKE_EXPORT long long gmlake_stats_json(int device, char* buf, size_t len) {

@@ -216,7 +216,8 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.stitches``, ``gmlake.pages_stitched``, ``gmlake.cached_bytes``,
     ``gmlake.retired_bytes``, ``gmlake.pending_frees``, ``gmlake.unknown_frees``,
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>``,
-    ``gmlake.device_free``, ``gmlake.device_total``, ``gmlake.page_size``.
+    ``gmlake.device_total``, ``gmlake.page_size``. (No device free memory: reading it can
+    wait for the GPU; use ``torch.cuda.mem_get_info()``.)
     Raises ``RuntimeError`` if gmlake is not installed."""
     if not is_enabled():
         raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")

@@ -690,9 +690,10 @@ impl Gmlake {
     fn stats_json(&self) -> Result<String, String> {
         guard("stats_json", || {
             let s = self.core.stats();
+            // No device_free here: cuMemGetInfo was seen blocking the host until the GPU was
+            // idle (H100, driver 580), and statistics are read in training loops.
             let mut extra = Vec::new();
-            if let (Ok(f), Ok(t)) = (self.core.device_free(), self.core.device_total()) {
-                extra.push(("device_free", f as u64));
+            if let Ok(t) = self.core.device_total() {
                 extra.push(("device_total", t as u64));
             }
             extra.push(("page_size", self.core.page_size()));
