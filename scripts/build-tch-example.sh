@@ -155,7 +155,7 @@ EOF
 fi
 
 # ---- gmlake-tch against the real library (no GPU needed)
-CUDART_DIR=$(ls -d "$ART"/cuda-*/nvidia/cu*/lib 2>/dev/null | head -1 || true)
+CUDART_DIR=$(ls -d "$ART"/cuda-13.*/nvidia/cu13/lib 2>/dev/null | head -1 || true)
 if [ "$LIB_TEST" = 1 ] && [ -f "$EXT_LIB" ] && [ -n "$CUDART_DIR" ]; then
   log "gmlake-tch's test against $EXT_LIB"
   unset CARGO_TARGET_DIR
