@@ -301,7 +301,7 @@ def test_out_of_memory_raises_and_process_recovers():
 
 
 def test_record_stream_delays_reuse():
-    # x is read on a side stream by a kernel queued behind a ~1 s kernel; x is freed on the
+    # x is read on a side stream by a kernel queued behind ~1 s of kernels; x is freed on the
     # main stream right away and a same-size tensor is allocated and overwritten there. If
     # gmlake handed out x's memory before the side stream's work completed (checked
     # structurally: same address while the side stream is busy) the read could see the
@@ -330,7 +330,10 @@ def test_record_stream_delays_reuse():
     side.wait_stream(main)
     with torch.cuda.stream(side):
         y = torch.empty(N, device="cuda")   # allocated before the long kernel is queued
-        torch.cuda._sleep(2_000_000_000)
+        # Two ~0.5 s spins: one _sleep(2_000_000_000) was seen returning at once on the H100
+        # (torch 2.11), apparently a 32-bit wrap of its cycle count; 1e9 does spin.
+        torch.cuda._sleep(1_000_000_000)
+        torch.cuda._sleep(1_000_000_000)
         torch.mul(x, 2, out=y)
     if RECORD:
         x.record_stream(side)
