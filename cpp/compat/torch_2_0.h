@@ -1,0 +1,317 @@
+// gmlake's adapter to the allocator interface of torch 2.0 (included by ../version_compat.h).
+//
+// Checked against torch/include/c10/cuda/CUDACachingAllocator.h and c10/core/Allocator.h of
+// the PyPI wheel torch==2.0.1. Differences from 2.1: CUDA graphs are announced by capture
+// (notifyCaptureBegin(device, graph, pool) / notifyCaptureAboutToEnd / notifyCaptureEnded /
+// notifyCaptureDestroy) and allocations are routed by the stream's capture id; recordHistory
+// takes a bool (record contexts in the trace); contexts are CUDACachingAllocator::Context
+// (c10::GatheredContext comes later); block contexts are a History list; TraceEntry has no
+// SEGMENT_MAP / SEGMENT_UNMAP actions; no peer-access / memcpy / checkpoint hooks;
+// needsPoolSpecificPeerAccess() exists. cpp/compat/legacy supplies what gmlake_impl needs.
+#pragma once
+
+#include <map>
+#include <mutex>
+
+namespace gmlake {
+namespace compat {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using MempoolId = c10::cuda::MempoolId_t;
+using CaptureId = c10::cuda::CaptureId_t;
+
+inline void trace_gpu_alloc(void* p) {
+  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+  if (C10_UNLIKELY(interp)) {
+    (*interp)->trace_gpu_memory_allocation(reinterpret_cast<uintptr_t>(p));
+  }
+}
+
+inline void trace_gpu_free(void* p) {
+  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
+  if (C10_UNLIKELY(interp)) {
+    (*interp)->trace_gpu_memory_deallocation(reinterpret_cast<uintptr_t>(p));
+  }
+}
+
+inline cca::Stat to_torch(const ffi::Stat& s) {
+  cca::Stat t;
+  t.current = s.current;
+  t.peak = s.peak;
+  t.allocated = s.allocated;
+  t.freed = s.freed;
+  return t;
+}
+
+inline cca::StatArray to_torch(const std::array<ffi::Stat, 3>& a) {
+  cca::StatArray t;
+  for (size_t i = 0; i < 3; ++i) {
+    t[i] = to_torch(a[i]);
+  }
+  return t;
+}
+
+inline cca::DeviceStats to_torch(const ffi::Stats& s) {
+  cca::DeviceStats t;
+  t.allocation = to_torch(s.allocation);
+  t.segment = to_torch(s.segment);
+  t.active = to_torch(s.active);
+  t.inactive_split = to_torch(s.inactive_split);
+  t.allocated_bytes = to_torch(s.allocated_bytes);
+  t.reserved_bytes = to_torch(s.reserved_bytes);
+  t.active_bytes = to_torch(s.active_bytes);
+  t.inactive_split_bytes = to_torch(s.inactive_split_bytes);
+  t.requested_bytes = to_torch(s.requested_bytes);
+  t.num_alloc_retries = s.num_alloc_retries;
+  t.num_ooms = s.num_ooms;
+  t.oversize_allocations = to_torch(s.oversize_allocations);
+  t.oversize_segments = to_torch(s.oversize_segments);
+  t.max_split_size = s.max_split_size;
+  return t;
+}
+
+// 2.0 has no SEGMENT_MAP / SEGMENT_UNMAP: a page mapped is reported as memory obtained, a page
+// unmapped as memory returned.
+inline cca::TraceEntry::Action to_torch(Action a) {
+  switch (a) {
+    case Action::ALLOC:
+      return cca::TraceEntry::ALLOC;
+    case Action::FREE_REQUESTED:
+      return cca::TraceEntry::FREE_REQUESTED;
+    case Action::FREE_COMPLETED:
+      return cca::TraceEntry::FREE_COMPLETED;
+    case Action::SEGMENT_ALLOC:
+    case Action::SEGMENT_MAP:
+      return cca::TraceEntry::SEGMENT_ALLOC;
+    case Action::SEGMENT_FREE:
+    case Action::SEGMENT_UNMAP:
+      return cca::TraceEntry::SEGMENT_FREE;
+    case Action::SNAPSHOT:
+      return cca::TraceEntry::SNAPSHOT;
+    case Action::OOM:
+      return cca::TraceEntry::OOM;
+  }
+  return cca::TraceEntry::ALLOC;
+}
+
+inline cca::TraceEntry to_torch(const TraceRec& r) {
+  return cca::TraceEntry(
+      to_torch(r.action),
+      static_cast<int64_t>(r.addr),
+      static_cast<size_t>(r.size),
+      static_cast<cudaStream_t>(r.stream),
+      r.context);
+}
+
+inline cca::SnapshotInfo to_torch(const SnapshotData& d) {
+  cca::SnapshotInfo info;
+  for (const auto& s : d.segments) {
+    cca::SegmentInfo seg;
+    seg.device = s.device;
+    seg.address = static_cast<int64_t>(s.address);
+    seg.total_size = static_cast<int64_t>(s.total_size);
+    seg.requested_size = static_cast<int64_t>(s.requested_size);
+    seg.allocated_size = static_cast<int64_t>(s.allocated_size);
+    seg.active_size = static_cast<int64_t>(s.active_size);
+    seg.stream = static_cast<cudaStream_t>(s.stream);
+    seg.is_large = s.is_large;
+    uint64_t at = s.address;
+    for (const auto& b : s.blocks) {
+      cca::BlockInfo bi;
+      bi.size = static_cast<int64_t>(b.size);
+      bi.requested_size = static_cast<int64_t>(b.requested_size);
+      bi.allocated = b.allocated;
+      bi.active = b.active;
+      if (b.allocated) {
+        bi.history.push_back(cca::History{
+            reinterpret_cast<void*>(static_cast<uintptr_t>(at)), static_cast<size_t>(b.requested_size), b.context});
+      }
+      at += b.size;
+      seg.blocks.push_back(std::move(bi));
+    }
+    info.segments.push_back(std::move(seg));
+  }
+  for (const auto& dev : d.traces) {
+    std::vector<cca::TraceEntry> entries;
+    entries.reserve(dev.size());
+    for (const auto& r : dev) {
+      entries.push_back(to_torch(r));
+    }
+    info.device_traces.push_back(std::move(entries));
+  }
+  return info;
+}
+
+// Whether `stream` is capturing the CUDA graph `graph` (2.0 routes allocations by capture id).
+inline bool stream_captures(cudaStream_t stream, CaptureId graph) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CaptureId id = 0;
+  if (cudaStreamGetCaptureInfo(stream, &status, &id) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return status == cudaStreamCaptureStatusActive && id == graph;
+}
+
+} // namespace compat
+
+class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAllocator {
+ public:
+  explicit GmlakeAllocator(std::string conf) : impl_(std::move(conf)) {}
+
+  Impl& impl() {
+    return impl_;
+  }
+
+  // ---- c10::Allocator
+  c10::DataPtr allocate(size_t n) const override {
+    return impl_.allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override {
+    return &local_raw_delete;
+  }
+
+  // ---- CUDAAllocator
+  void* raw_alloc(size_t nbytes) override {
+    return impl_.raw_alloc(nbytes);
+  }
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    return impl_.raw_alloc_with_stream(nbytes, stream);
+  }
+  void raw_delete(void* ptr) override {
+    impl_.free(ptr);
+  }
+  void init(int device_count) override {
+    impl_.init(device_count);
+  }
+  bool initialized() override {
+    return impl_.initialized();
+  }
+  void setMemoryFraction(double fraction, int device) override {
+    impl_.set_memory_fraction(fraction, device);
+  }
+  void emptyCache() override {
+    impl_.empty_cache(PoolId{0, 0});
+  }
+  void cacheInfo(int device, size_t* largestBlock) override {
+    impl_.cache_info(device, largestBlock);
+  }
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    return impl_.base_allocation(ptr, size);
+  }
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
+    impl_.record_stream(ptr.get(), ptr.get_deleter(), ptr.device().index(), stream.stream());
+  }
+  c10::cuda::CUDACachingAllocator::DeviceStats getDeviceStats(int device) override {
+    bool present = false;
+    ffi::Stats s = impl_.stats(device, &present);
+    if (!present) {
+      c10::cuda::CUDACachingAllocator::DeviceStats empty;
+      empty.max_split_size = std::numeric_limits<int64_t>::max();
+      return empty;
+    }
+    return compat::to_torch(s);
+  }
+  void resetAccumulatedStats(int device) override {
+    impl_.reset_accumulated_stats(device);
+  }
+  void resetPeakStats(int device) override {
+    impl_.reset_peak_stats(device);
+  }
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
+    return compat::to_torch(impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true));
+  }
+  // CUDA graphs (2.0): allocations of streams capturing `graph_id` go to the pool until the
+  // capture is about to end; the pool is released when the graph is destroyed.
+  void notifyCaptureBegin(int device, compat::CaptureId graph_id, compat::MempoolId mempool_id) override {
+    const PoolId pool{mempool_id.first, mempool_id.second};
+    {
+      std::lock_guard<std::mutex> g(captures_mu_);
+      auto key = std::make_pair(device, graph_id);
+      TORCH_CHECK(captures_.find(key) == captures_.end(), "gmlake: notifyCaptureBegin: capture already underway");
+      captures_[key] = pool;
+    }
+    try {
+      impl_.begin_allocate_to_pool(
+          device, pool, [graph_id](cudaStream_t s) { return compat::stream_captures(s, graph_id); });
+    } catch (...) {
+      std::lock_guard<std::mutex> g(captures_mu_);
+      captures_.erase(std::make_pair(device, graph_id));
+      throw;
+    }
+  }
+  void notifyCaptureAboutToEnd(int device, compat::CaptureId graph_id) override {
+    PoolId pool;
+    {
+      std::lock_guard<std::mutex> g(captures_mu_);
+      auto it = captures_.find(std::make_pair(device, graph_id));
+      TORCH_CHECK(it != captures_.end(), "gmlake: notifyCaptureAboutToEnd: no such capture");
+      pool = it->second;
+      captures_.erase(it);
+    }
+    impl_.end_allocate_to_pool(device, pool);
+  }
+  void notifyCaptureEnded(int /*device*/, compat::CaptureId /*graph_id*/) override {}
+  void notifyCaptureDestroy(int device, compat::MempoolId mempool_id) override {
+    impl_.release_pool(device, PoolId{mempool_id.first, mempool_id.second});
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
+    TORCH_CHECK(
+        false,
+        "gmlake: opening CUDA memory of another process (CUDA IPC, torch.multiprocessing) is not "
+        "supported yet by gmlake");
+  }
+  void recordHistory(
+      bool enabled,
+      c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+      size_t alloc_trace_max_entries,
+      bool alloc_trace_record_context) override {
+    // 2.0: contexts are kept for live blocks whenever a recorder is given, and attached to
+    // trace entries when alloc_trace_record_context.
+    When when = When::NEVER;
+    if (enabled && context_recorder != nullptr) {
+      when = alloc_trace_record_context ? When::ALLOC : When::STATE;
+    }
+    impl_.record_history(enabled, context_recorder, alloc_trace_max_entries, when, /*clear=*/false, {});
+  }
+  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    impl_.attach_oom_observer([observer = std::move(observer)](int64_t device, size_t allocated, size_t total, size_t free) {
+      observer(device, static_cast<int64_t>(allocated), static_cast<int64_t>(total), static_cast<int64_t>(free));
+    });
+  }
+  // Only cudaMallocAsync's pools need pool-specific peer access.
+  bool needsPoolSpecificPeerAccess() override {
+    return false;
+  }
+  std::string name() override {
+    return "gmlake";
+  }
+
+ private:
+  mutable Impl impl_;
+  std::mutex captures_mu_;
+  std::map<std::pair<int, compat::CaptureId>, PoolId> captures_;
+};
+
+namespace compat {
+
+inline bool current_allocator_initialized() {
+  cca::CUDAAllocator* cur = cca::allocator.load();
+  return cur != nullptr && cur->initialized();
+}
+
+inline std::string current_allocator_name() {
+  cca::CUDAAllocator* cur = cca::allocator.load();
+  return cur != nullptr ? cur->name() : std::string("none");
+}
+
+inline void install(GmlakeAllocator* a) {
+  cca::allocator.store(a);
+}
+
+inline const void* c10_cuda_anchor() {
+  return static_cast<const void*>(&cca::allocator);
+}
+
+} // namespace compat
+} // namespace gmlake

@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# Applies gmlake's patch to a PyTorch source tree and builds only c10 and c10_cuda from it, on a
+# machine without a GPU or CUDA toolkit (CUDA headers and libcudart from PyPI's
+# nvidia-cuda-runtime / nvidia-cuda-nvcc / nvidia-nvml-dev wheels, headers only), then checks the result:
+#   - libc10_cuda.so exports the gmlake backend (and gmlake_c10_backend());
+#   - no symbol of the Rust staticlib (or its cxx shims) is exported;
+#   - libcuda is not in NEEDED, and every undefined symbol resolves (ldd -r);
+#   - loaded without a GPU, the library picks gmlake by default, native with vmmDefragment=0
+#     (and on 2.x: native / gmlake with PYTORCH_CUDA_ALLOC_CONF=backend:native / backend:gmlake,
+#     and PyTorch's run-time settings parse accepts backend:gmlake: scripts/c10-only/probe.cpp).
+#
+#   scripts/build-patched-c10.sh VERSION SRC_DIR
+#     VERSION: 1.13.1, 2.0.1, 2.1.2 or 2.6.0 (patches/pytorch-VERSION.patch)
+#     SRC_DIR: the PyTorch source tree (patched in place; an already applied patch is kept)
+#
+# Environment: BUILD_DIR (build/c10-VERSION), JOBS (nproc), GMLAKE_ARTIFACTS (.artifacts),
+# GMLAKE_CARGO_TARGET_DIR (build/c10-cargo, shared by the versions), CUDA_SERIES (the one the
+# version's wheels use). Needs cmake, ninja (or make), g++, python3, cargo, patch, binutils;
+# on Debian also libfmt-dev, nlohmann-json3-dev and libcpuinfo-dev for 2.x (installed with
+# apt-get when missing). Writes a summary to BUILD_DIR/summary.txt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+if [ $# -ne 2 ]; then
+  sed -n '2,22p' "$0"; exit 2
+fi
+VERSION="$1"
+SRC="$(cd "$2" && pwd)"
+PATCH="$ROOT/patches/pytorch-$VERSION.patch"
+[ -f "$PATCH" ] || { echo "build-patched-c10: no $PATCH" >&2; exit 2; }
+[ -f "$SRC/c10/cuda/CUDACachingAllocator.cpp" ] || { echo "build-patched-c10: $SRC is not a PyTorch tree" >&2; exit 2; }
+ART="${GMLAKE_ARTIFACTS:-$ROOT/.artifacts}"
+BUILD_DIR="${BUILD_DIR:-$ROOT/build/c10-$VERSION}"
+JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
+export GMLAKE_CARGO_TARGET_DIR="${GMLAKE_CARGO_TARGET_DIR:-$ROOT/build/c10-cargo}"
+case "$VERSION" in
+  1.13.*|2.0.*) CUDA_SERIES="${CUDA_SERIES:-11.7}"; CU=cu11 ;;
+  2.1.*) CUDA_SERIES="${CUDA_SERIES:-12.1}"; CU=cu12 ;;
+  2.6.*) CUDA_SERIES="${CUDA_SERIES:-12.4}"; CU=cu12 ;;
+  *) echo "build-patched-c10: unsupported version $VERSION" >&2; exit 2 ;;
+esac
+MINOR="${VERSION%.*}"
+
+log() { printf '[build-patched-c10 %s] %s\n' "$VERSION" "$*"; }
+SUMMARY=()
+note() { log "$*"; SUMMARY+=("$*"); }
+fail() { echo "[build-patched-c10 $VERSION] FAIL: $*" >&2; exit 1; }
+
+# ---- tools
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v ninja >/dev/null || need_apt+=(ninja-build)
+command -v patch >/dev/null || need_apt+=(patch)
+if [ "${MINOR%%.*}" = 2 ]; then
+  [ -f /usr/include/fmt/format.h ] || need_apt+=(libfmt-dev)
+  [ -f /usr/include/nlohmann/json.hpp ] || need_apt+=(nlohmann-json3-dev)
+  [ -f /usr/include/cpuinfo.h ] || need_apt+=(libcpuinfo-dev)
+fi
+if [ ${#need_apt[@]} -gt 0 ] && command -v apt-get >/dev/null; then
+  log "installing ${need_apt[*]} with apt-get"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null 2>&1 \
+    || { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null; }
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+  # shellcheck source=scripts/ensure-rust.sh
+  source scripts/ensure-rust.sh
+fi
+GEN=Ninja; command -v ninja >/dev/null || GEN="Unix Makefiles"
+
+# ---- CUDA headers (runtime + crt from nvcc) and libcudart, from PyPI
+CUDA_ROOT="$ART/cuda-$CUDA_SERIES"
+if [ ! -f "$CUDA_ROOT/nvidia/cuda_runtime/include/cuda_runtime_api.h" ] \
+   || [ ! -f "$CUDA_ROOT/nvidia/cuda_nvcc/include/crt/host_config.h" ]; then
+  log "fetching nvidia-cuda-runtime-$CU==$CUDA_SERIES.* and the headers of nvidia-cuda-nvcc-$CU"
+  python3 scripts/wheel-extract.py "nvidia-cuda-runtime-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/*'
+  python3 scripts/wheel-extract.py "nvidia-cuda-nvcc-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/cuda_nvcc/include/*'
+fi
+CUDA_INC="$CUDA_ROOT/nvidia/cuda_runtime/include;$CUDA_ROOT/nvidia/cuda_nvcc/include"
+if [ "$CU" = cu12 ]; then
+  # c10/cuda/driver_api.h (2.1+) includes nvml.h (PyPI nvidia-nvml-dev).
+  if [ ! -f "$CUDA_ROOT/nvidia/nvml_dev/include/nvml.h" ]; then
+    python3 scripts/wheel-extract.py "nvidia-nvml-dev-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/*/include/*'
+  fi
+  CUDA_INC="$CUDA_INC;$CUDA_ROOT/nvidia/nvml_dev/include"
+fi
+CUDART=$(ls "$CUDA_ROOT"/nvidia/cuda_runtime/lib/libcudart.so.* | head -1)
+
+# ---- patch
+if patch -p1 -R --dry-run -s -f -d "$SRC" < "$PATCH" >/dev/null 2>&1; then
+  note "patch: $(basename "$PATCH") already applied to $SRC"
+else
+  patch -p1 --forward -s -d "$SRC" < "$PATCH" || fail "$(basename "$PATCH") does not apply to $SRC"
+  note "patch: applied $(basename "$PATCH") to $SRC ($(grep -c '^+[^+]' "$PATCH") lines added, $(grep -c '^-[^-]' "$PATCH") removed)"
+fi
+
+# ---- configure and build c10 + c10_cuda
+T0=$(date +%s)
+cmake -S scripts/c10-only -B "$BUILD_DIR" -G "$GEN" -DCMAKE_BUILD_TYPE=Release \
+  -DPYTORCH_SRC="$SRC" -DCUDA_INCLUDE_DIRS="$CUDA_INC" -DCUDART_LIBRARY="$CUDART" \
+  -DGMLAKE_SOURCE_DIR="$ROOT" -DCMAKE_LIBRARY_OUTPUT_DIRECTORY="$BUILD_DIR/lib" \
+  > "$BUILD_DIR.configure.log" 2>&1 || { tail -40 "$BUILD_DIR.configure.log"; fail "cmake configure"; }
+grep -E '^-- gmlake' "$BUILD_DIR.configure.log" | sed 's/^-- /[cmake] /' || true
+cmake --build "$BUILD_DIR" --target c10_cuda -j "$JOBS" > "$BUILD_DIR.build.log" 2>&1 \
+  || { grep -E 'error|Error' "$BUILD_DIR.build.log" | head -40; tail -20 "$BUILD_DIR.build.log"; fail "build (log: $BUILD_DIR.build.log)"; }
+T1=$(date +%s)
+LIB="$BUILD_DIR/lib/libc10_cuda.so"
+[ -f "$LIB" ] || fail "no $LIB"
+ntu=$(grep -cE '\[[0-9]+/[0-9]+\] Building CXX' "$BUILD_DIR.build.log" || true)
+note "build: c10 + c10_cuda in $((T1 - T0)) s ($ntu C++ files compiled this run, -j$JOBS): $LIB ($(du -h "$LIB" | cut -f1))"
+
+# ---- checks
+exports=$(nm -D --defined-only "$LIB" | c++filt)
+backend=$(echo "$exports" | grep -E 'CUDACachingAllocator::Gmlake::|gmlake_c10_backend' | awk '{$1=""; $2=""; print}' | sed 's/^ *//' | sort)
+[ -n "$backend" ] || fail "libc10_cuda.so exports no gmlake backend"
+echo "$backend" | grep -q '^gmlake_c10_backend$' || fail "gmlake_c10_backend is not exported"
+note "exports: $(echo "$backend" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
+leaked=$( (echo "$exports" | grep -Ei 'rust|cxxbridge|gmlake_core|gmlake_cuda|gmlake_ffi|cudarc'; echo "$exports" | grep -E 'gmlake::') || true)
+[ -z "$leaked" ] || { echo "$leaked" | head; fail "Rust / gmlake-internal symbols are exported"; }
+inside=$(nm "$LIB" 2>/dev/null | grep -c -E 'cxxbridge1|rust_eh_personality|gmlake_core' || true)
+[ "$inside" -gt 0 ] || fail "the Rust staticlib does not seem to be linked in (no cxxbridge/rust symbols in .symtab)"
+note "hidden: 0 exported symbols from the Rust staticlib ($inside of its symbols in the static symbol table); $(nm -D --defined-only "$LIB" | wc -l) exported symbols in all"
+needed=$(readelf -d "$LIB" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')
+case " $needed " in *" libcuda.so"*) fail "libcuda is in NEEDED: $needed" ;; esac
+note "NEEDED: $needed(no libcuda)"
+undef=$(LD_LIBRARY_PATH="$BUILD_DIR/lib:$(dirname "$CUDART")" ldd -r "$LIB" 2>&1 | grep -E 'undefined symbol|not found' || true)
+[ -z "$undef" ] || { echo "$undef" | head; fail "unresolved symbols"; }
+note "ldd -r: every symbol resolves (against the built libc10.so and PyPI's libcudart)"
+
+# Load it (no GPU needed: the backend is chosen by a static initializer at load time).
+probe() { # env... -> backend name
+  env "$@" LD_LIBRARY_PATH="$BUILD_DIR/lib:$(dirname "$CUDART")" python3 -c '
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+f = lib.gmlake_c10_backend
+f.restype = ctypes.c_char_p
+print(f().decode())' "$LIB"
+}
+expect() { # want label env...
+  local want="$1" label="$2"; shift 2
+  local got; got=$(probe "$@" 2>&1) || fail "loading $LIB: $got"
+  [ "$got" = "$want" ] || fail "with $label: backend $got, expected $want"
+  echo "$label -> $got"
+}
+U=(-u vmmDefragment -u PYTORCH_CUDA_ALLOC_CONF)
+sel=$(expect gmlake "no settings" "${U[@]}")
+sel+="; $(expect native "vmmDefragment=0" "${U[@]}" vmmDefragment=0)"
+sel+="; $(expect gmlake "vmmDefragment=1" "${U[@]}" vmmDefragment=1)"
+if [ "${MINOR%%.*}" = 2 ]; then
+  sel+="; $(expect native "backend:native" "${U[@]}" PYTORCH_CUDA_ALLOC_CONF=backend:native)"
+  sel+="; $(expect gmlake "vmmDefragment=0 backend:gmlake" "${U[@]}" vmmDefragment=0 PYTORCH_CUDA_ALLOC_CONF=backend:gmlake)"
+  sel+="; $(expect cudaMallocAsync "backend:cudaMallocAsync" "${U[@]}" PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync)"
+fi
+note "backend chosen at load (dlopen, no GPU): $sel"
+
+if [ "${MINOR%%.*}" = 2 ]; then
+  # PyTorch's run-time parse of the settings (its check that backend: names the allocator in
+  # use) accepts backend:gmlake, through a C++ program linked against the built libraries.
+  PROBE="$BUILD_DIR/probe"
+  IFS=';' read -r -a cinc <<< "$CUDA_INC"
+  g++ -std=c++17 -O1 -I"$SRC" -I"$BUILD_DIR" "${cinc[@]/#/-I}" scripts/c10-only/probe.cpp -o "$PROBE" \
+    -L"$BUILD_DIR/lib" -lc10_cuda -lc10 "$CUDART" -Wl,-rpath,"$BUILD_DIR/lib:$(dirname "$CUDART")" \
+    || fail "probe.cpp does not build"
+  out=$(env -u vmmDefragment PYTORCH_CUDA_ALLOC_CONF=backend:gmlake "$PROBE" backend:gmlake) \
+    || fail "backend:gmlake refused at run time: $out"
+  out2=$(env -u vmmDefragment -u PYTORCH_CUDA_ALLOC_CONF "$PROBE" expandable_segments:False,backend:gmlake) \
+    || fail "settings refused: $out2"
+  note "run-time settings parse: $(echo "$out" | tr '\n' ' ')| default: $(echo "$out2" | tr '\n' ' ')"
+fi
+
+{
+  echo "build-patched-c10 $VERSION $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(nproc) cores, $(g++ --version | head -1)"
+  echo "source: $SRC"
+  echo "CUDA headers/libcudart: PyPI nvidia-cuda-runtime-$CU $CUDA_SERIES.* ($(basename "$CUDART"))"
+  printf '%s\n' "${SUMMARY[@]}"
+} > "$BUILD_DIR/summary.txt"
+log "OK (summary: $BUILD_DIR/summary.txt)"
