@@ -160,7 +160,7 @@ wl_search() { case $1 in llm_lora) echo 30 ;; kv_infer) echo 20 ;; fsdp_offload)
 wl_quick_flags() {
   case $1 in
   llm_lora) echo "--steps 5 --warmup 2 --search-trials 5" ;;
-  kv_infer) echo "--steps 3 --warmup 1 --search-trials 5" ;;
+  kv_infer) echo "--steps 3 --warmup 1 --search-trials 4 --layers 6 --new-min 8 --new-max 24" ;;
   fsdp_offload) echo "--steps 3 --warmup 1 --search-trials 4" ;;
   *) echo "--steps 5 --warmup 2 --search-trials 5" ;;
   esac

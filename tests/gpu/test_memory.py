@@ -321,6 +321,15 @@ def test_record_stream_delays_reuse():
         return {k: b[k] - a.get(k, 0) for k in b if (k.startswith("gmlake.driver_calls") or k.startswith("num_"))
                 and isinstance(b[k], int) and b[k] != a.get(k)}
     x = torch.full((N,), 1.0, device="cuda")
+    # Load every kernel used below before the long kernels run: with CUDA's lazy module
+    # loading, the first launch of a kernel waits for the device, which let the side stream
+    # finish before the allocation under test (seen on the H100). w stays alive so that it
+    # leaves no free block behind.
+    w = torch.empty(N, device="cuda")
+    torch.mul(x, 2, out=w)
+    w.fill_(-7.0)
+    bool((w == 2).all().item()); bool((w == -14).any().item())
+    torch.cuda.synchronize()
     # A cached block a little larger than x, so that z can be served without new physical
     # memory (creating and mapping memory was seen waiting for the GPU). A best fit that
     # ignored x's pending free would still pick x's exact-size block.
@@ -349,7 +358,7 @@ def test_record_stream_delays_reuse():
     main_deltas = deltas(s0, stats())
     ok = bool((y == 2).all().item())
     corrupted = bool((y == -14).any().item())
-    del y, z
+    del y, z, w
     torch.cuda.synchronize()
     # Diagnostics (reported, not asserted): does the host wait for a busy stream when
     # (a) an allocation needs new physical memory (cuMemCreate / cuMemMap / cuMemSetAccess),
