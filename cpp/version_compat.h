@@ -476,6 +476,15 @@ inline const void* c10_cuda_anchor() {
 } // namespace gmlake
 
 // =============================================================================================
+// Older versions, each in its own file (patched in-tree builds, patches/ and docs/patched-builds.md).
+#elif GMLAKE_TORCH_VERSION_NUM == 206
+#include "compat/torch_2_6.h"
+#elif GMLAKE_TORCH_VERSION_NUM == 201
+#include "compat/torch_2_1.h"
+#elif GMLAKE_TORCH_VERSION_NUM == 200
+#include "compat/torch_2_0.h"
+#elif GMLAKE_TORCH_VERSION_NUM == 113
+#include "compat/torch_1_13.h"
 #else
-#error "gmlake: this torch version is not supported yet (supported: 2.11). Add its allocator interface to cpp/version_compat.h."
+#error "gmlake: this torch version is not supported yet (supported: 1.13, 2.0, 2.1, 2.6, 2.11). Add its allocator interface to cpp/version_compat.h."
 #endif
