@@ -312,6 +312,33 @@ GMLAKE_EXPORT int gmlake_is_installed(void) {
   });
 }
 
+// Returns gmlake's cached memory to the device (torch.cuda.empty_cache() for programs that
+// cannot call torch, e.g. tch). 0, or -1 with gmlake_last_error() when gmlake is not installed.
+GMLAKE_EXPORT int gmlake_empty_cache(void) {
+  return guarded([&] {
+    gmlake::Impl* impl = installed_impl();
+    if (impl == nullptr) {
+      return fail("gmlake: empty_cache: gmlake is not installed");
+    }
+    impl->empty_cache({0, 0});
+    return 0;
+  });
+}
+
+// The name() of PyTorch's current CUDA allocator ("gmlake", "native", ...), whether or not
+// this library installed it; copied into buf as a C string when it fits. Returns its length.
+GMLAKE_EXPORT long long gmlake_active_backend(char* buf, size_t len) {
+  try {
+    return copy_out(gmlake::compat::current_allocator_name(), buf, len);
+  } catch (const std::exception& e) {
+    fail(std::string("gmlake: ") + e.what());
+    return -1;
+  } catch (...) {
+    fail("gmlake: unknown C++ exception");
+    return -1;
+  }
+}
+
 // The last error of this thread (or of any thread, if this one has none). Valid until the
 // next call from this thread.
 GMLAKE_EXPORT const char* gmlake_last_error(void) {
