@@ -7,7 +7,9 @@
 #   - libcuda is not in NEEDED, and every undefined symbol resolves (ldd -r);
 #   - loaded without a GPU, the library picks gmlake by default, native with vmmDefragment=0
 #     (and on 2.x: native / gmlake with PYTORCH_CUDA_ALLOC_CONF=backend:native / backend:gmlake,
-#     and PyTorch's run-time settings parse accepts backend:gmlake: scripts/c10-only/probe.cpp).
+#     and PyTorch's run-time settings parse accepts backend:gmlake);
+#   - a C++ program linked against it (scripts/c10-only/probe.cpp) calls into the allocator
+#     through PyTorch's API: init, statistics, emptyCache, an allocation that raises (no GPU).
 #
 #   scripts/build-patched-c10.sh VERSION SRC_DIR
 #     VERSION: 1.13.1, 2.0.1, 2.1.2 or 2.6.0 (patches/pytorch-VERSION.patch)
@@ -92,7 +94,9 @@ if patch -p1 -R --dry-run -s -f -d "$SRC" < "$PATCH" >/dev/null 2>&1; then
   note "patch: $(basename "$PATCH") already applied to $SRC"
 else
   patch -p1 --forward -s -d "$SRC" < "$PATCH" || fail "$(basename "$PATCH") does not apply to $SRC"
-  note "patch: applied $(basename "$PATCH") to $SRC ($(grep -c '^+[^+]' "$PATCH") lines added, $(grep -c '^-[^-]' "$PATCH") removed)"
+  added=$(( $(grep -c '^+' "$PATCH") - $(grep -c '^+++ ' "$PATCH") ))
+  removed=$(( $(grep -c '^-' "$PATCH") - $(grep -c '^--- ' "$PATCH") ))
+  note "patch: applied $(basename "$PATCH") to $SRC ($added lines added, $removed removed)"
 fi
 
 # ---- configure and build c10 + c10_cuda
@@ -154,19 +158,28 @@ if [ "${MINOR%%.*}" = 2 ]; then
 fi
 note "backend chosen at load (dlopen, no GPU): $sel"
 
+# Call into the allocator through PyTorch's API from a C++ program linked against the built
+# libraries (scripts/c10-only/probe.cpp): init, statistics, emptyCache, and an allocation that
+# must raise a c10::Error without a GPU; on 2.x also PyTorch's run-time parse of the settings
+# (its check that backend: names the allocator in use) with backend:gmlake.
+PROBE="$BUILD_DIR/probe"
+IFS=';' read -r -a cinc <<< "$CUDA_INC"
+pdef=(); [ "${MINOR%%.*}" = 2 ] || pdef=(-DGMLAKE_PROBE_TORCH1)
+g++ -std=c++17 -O1 -w "${pdef[@]}" -I"$SRC" -I"$BUILD_DIR" "${cinc[@]/#/-I}" scripts/c10-only/probe.cpp -o "$PROBE" \
+  -L"$BUILD_DIR/lib" -lc10_cuda -lc10 "$CUDART" -Wl,-rpath,"$BUILD_DIR/lib:$(dirname "$CUDART")" \
+  || fail "probe.cpp does not build"
+run_probe() { # want-backend env-and-args...
+  local want="$1"; shift
+  local out; out=$(env -u vmmDefragment -u PYTORCH_CUDA_ALLOC_CONF "$@" 2>&1) || fail "probe: $out"
+  case "$out" in "backend=$want "*) ;; *) fail "probe: expected backend $want: $out" ;; esac
+  case "$out" in *"raised c10::Error"*|*"(a GPU?)"*) ;; *) fail "probe: unexpected: $out" ;; esac
+  echo "$out"
+}
+note "probe (C++ through PyTorch's API): $(run_probe gmlake "$PROBE")"
+note "probe, vmmDefragment=0: $(run_probe native vmmDefragment=0 "$PROBE")"
 if [ "${MINOR%%.*}" = 2 ]; then
-  # PyTorch's run-time parse of the settings (its check that backend: names the allocator in
-  # use) accepts backend:gmlake, through a C++ program linked against the built libraries.
-  PROBE="$BUILD_DIR/probe"
-  IFS=';' read -r -a cinc <<< "$CUDA_INC"
-  g++ -std=c++17 -O1 -I"$SRC" -I"$BUILD_DIR" "${cinc[@]/#/-I}" scripts/c10-only/probe.cpp -o "$PROBE" \
-    -L"$BUILD_DIR/lib" -lc10_cuda -lc10 "$CUDART" -Wl,-rpath,"$BUILD_DIR/lib:$(dirname "$CUDART")" \
-    || fail "probe.cpp does not build"
-  out=$(env -u vmmDefragment PYTORCH_CUDA_ALLOC_CONF=backend:gmlake "$PROBE" backend:gmlake) \
-    || fail "backend:gmlake refused at run time: $out"
-  out2=$(env -u vmmDefragment -u PYTORCH_CUDA_ALLOC_CONF "$PROBE" expandable_segments:False,backend:gmlake) \
-    || fail "settings refused: $out2"
-  note "run-time settings parse: $(echo "$out" | tr '\n' ' ')| default: $(echo "$out2" | tr '\n' ' ')"
+  note "probe, backend:gmlake: $(run_probe gmlake PYTORCH_CUDA_ALLOC_CONF=backend:gmlake "$PROBE" backend:gmlake)"
+  note "probe, default + settings: $(run_probe gmlake "$PROBE" expandable_segments:False,backend:gmlake)"
 fi
 
 {
