@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command (CI runs it through .ci/run): formatting, lints, every Rust test
 # (property tests with 10,000 random sequences), and the C++ allocator compiled and linked
-# against PyPI's torch 2.11.0 wheel and CUDA 13 headers (downloaded on first use).
+# against PyPI's torch 2.11.0 wheel and CUDA 13 headers, and against the headers of torch
+# 1.13.1, 2.0.1, 2.1.2 and 2.6.0 (downloaded on first use), and the tch example.
 # SKIP_TORCH_BUILD=1 skips the C++ build (no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,10 @@ cargo test --locked --workspace 2>&1 | tee target/test.log
 if [ -x scripts/build-torch-ext.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
   step "C++ allocator against the torch 2.11.0 wheel"
   bash scripts/build-torch-ext.sh
+fi
+if [ -f scripts/check-torch-versions.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
+  step "C++ allocator against torch 1.13.1, 2.0.1, 2.1.2 and 2.6.0 headers and libraries"
+  bash scripts/check-torch-versions.sh
 fi
 if [ -x scripts/build-tch-example.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
   step "tch example against the torch 2.11.0 wheel"
