@@ -99,33 +99,44 @@ fn frag_limit_keeps_small_requests_from_stitching() {
 
 #[test]
 fn strategies_choose_different_pieces() {
-    // Free blocks of 4, 8 and 16 MiB between live ones; a 6 MiB shortfall.
-    let run = |strategy| {
+    // Free blocks A (4 MiB, 2 pages), B (8 MiB, 4 pages), C (16 MiB, 8 pages), freed in that
+    // order between live 2 MiB blocks; then a 17 MiB request needs 9 pages (its last page is
+    // half used, leaving a 1 MiB free piece). Which free pieces remain shows where each
+    // strategy took its pages from.
+    let remaining = |strategy| {
         let cfg = Config {
             stitch_strategy: strategy,
             ..Config::default()
         };
         let (_dev, a) = setup(1 << 30, cfg);
-        let sizes = [4 * MIB, 8 * MIB, 16 * MIB];
         let mut free = Vec::new();
-        for s in sizes {
+        for s in [4 * MIB, 8 * MIB, 16 * MIB] {
             free.push(a.allocate(s, 0).unwrap());
             a.allocate(PAGE, 0).unwrap();
         }
         for p in free {
             a.free(p).unwrap();
         }
-        a.allocate(30 * MIB, 0).unwrap();
-        a.stats().pages_stitched
+        a.allocate(17 * MIB, 0).unwrap();
+        a.verify().unwrap();
+        let mut sizes: Vec<u64> = a
+            .snapshot()
+            .segments
+            .iter()
+            .flat_map(|s| &s.blocks)
+            .filter(|b| b.state == BlockState::Inactive)
+            .map(|b| b.size / MIB)
+            .collect();
+        sizes.sort();
+        sizes
     };
-    // Every strategy stitches all it needs; each must leave the allocator consistent.
-    for s in [
-        StitchStrategy::BestFit,
-        StitchStrategy::LargestFirst,
-        StitchStrategy::Lru,
-    ] {
-        assert!(run(s) > 0, "{s:?}");
-    }
+    // Best fit: no block covers 9 pages, so the largest (C, 8) and then the smallest that
+    // covers the last page (A).
+    assert_eq!(remaining(StitchStrategy::BestFit), vec![1, 2, 8]);
+    // GMLake's order: C, then the largest left (B).
+    assert_eq!(remaining(StitchStrategy::LargestFirst), vec![1, 4, 6]);
+    // Least recently freed first: A, B, then 3 pages of C.
+    assert_eq!(remaining(StitchStrategy::Lru), vec![1, 10]);
 }
 
 #[test]
