@@ -1068,38 +1068,21 @@ impl State {
     ) -> Result<Vec<PhysHandle>> {
         let target_kind = self.arenas[aid as usize].key.kind;
         let mut got: Vec<PhysHandle> = Vec::with_capacity(k as usize);
-        let mut batches: Vec<(StreamId, Vec<RetiredRange>)> = Vec::new();
+        let mut batches = Vec::new();
         while (got.len() as u64) < k {
             let Some((src, addr, _)) = self.choose_source(aid, k - got.len() as u64, exclude)
             else {
                 break;
             };
             let want = k - got.len() as u64;
-            let (start, handles) = self.with_arena(src, |a| a.take_pages(addr, want, true));
-            if handles.is_empty() {
+            let (taken, handles) =
+                self.retire_pages(&mut batches, src, addr, want, target_kind, false);
+            if taken == 0 {
                 break;
-            }
-            let key = self.arenas[src as usize].key;
-            let n = handles.len() as i64;
-            self.stats
-                .reserved_bytes
-                .transfer(key.kind, target_kind, n * self.page as i64);
-            self.stats.segment.transfer(key.kind, target_kind, n);
-            match batches.iter_mut().find(|b| b.0 == key.stream) {
-                Some(b) => b.1.push((src, start, n as u64)),
-                None => batches.push((key.stream, vec![(src, start, n as u64)])),
             }
             got.extend(handles);
         }
-        for (stream, ranges) in batches {
-            let event = self.get_event(dev)?;
-            drv!(self, record_event, dev.record_event(event, stream))?;
-            self.retired.push_back(RetiredBatch {
-                event,
-                ranges,
-                release: Vec::new(),
-            });
-        }
+        self.record_retired(dev, batches)?;
         self.stats.stitches += 1;
         self.stats.pages_stitched += got.len() as u64;
         if (got.len() as u64) < k {
@@ -1120,7 +1103,7 @@ impl State {
             return Ok(());
         };
         let cached = |s: &State| s.arenas.iter().map(|a| a.free_mapped_bytes).sum::<u64>();
-        let mut batches: Vec<(StreamId, RetiredBatch)> = Vec::new();
+        let mut batches = Vec::new();
         while cached(self) > limit {
             let Some((src, addr, _)) = self.largest_source(
                 self.arenas
@@ -1131,34 +1114,76 @@ impl State {
             ) else {
                 break;
             };
-            let (start, handles) = self.with_arena(src, |a| a.take_pages(addr, u64::MAX, true));
-            let key = self.arenas[src as usize].key;
-            let n = handles.len() as u64;
-            self.stats
-                .reserved_bytes
-                .transfer(key.kind, PoolKind::Large, (n * self.page) as i64);
-            self.stats
-                .segment
-                .transfer(key.kind, PoolKind::Large, n as i64);
-            let idx = match batches.iter().position(|b| b.0 == key.stream) {
-                Some(i) => i,
-                None => {
-                    let event = self.get_event(dev)?;
-                    batches.push((
-                        key.stream,
-                        RetiredBatch {
-                            event,
-                            ranges: Vec::new(),
-                            release: Vec::new(),
-                        },
-                    ));
-                    batches.len() - 1
-                }
-            };
-            batches[idx].1.ranges.push((src, start, n));
-            batches[idx].1.release.extend(handles);
+            let (taken, _) =
+                self.retire_pages(&mut batches, src, addr, u64::MAX, PoolKind::Large, true);
+            if taken == 0 {
+                break;
+            }
         }
-        for (stream, b) in batches {
+        self.record_retired(dev, batches)
+    }
+
+    /// Moves the count of `n` pages from pool `from` to pool `to` (pages mapped nowhere
+    /// count as large).
+    fn move_pages(&mut self, from: PoolKind, to: PoolKind, n: u64) {
+        self.stats
+            .reserved_bytes
+            .transfer(from, to, (n * self.page) as i64);
+        self.stats.segment.transfer(from, to, n as i64);
+    }
+
+    /// Takes up to `max` interior pages of the free mapped block at `addr` of arena `src`
+    /// into a retired range, added to the batch of the arena's stream, counting the pages in
+    /// pool `to`. With `release` the pages are released once the range is unmapped (and kept
+    /// in the batch); otherwise they are returned, for mapping elsewhere. Returns the number
+    /// of pages taken too.
+    fn retire_pages(
+        &mut self,
+        batches: &mut Vec<(StreamId, RetiredBatch)>,
+        src: u32,
+        addr: u64,
+        max: u64,
+        to: PoolKind,
+        release: bool,
+    ) -> (u64, Vec<PhysHandle>) {
+        let (start, handles) = self.with_arena(src, |a| a.take_pages(addr, max, true));
+        if handles.is_empty() {
+            return (0, handles);
+        }
+        let key = self.arenas[src as usize].key;
+        let n = handles.len() as u64;
+        self.move_pages(key.kind, to, n);
+        let i = match batches.iter().position(|b| b.0 == key.stream) {
+            Some(i) => i,
+            None => {
+                batches.push((
+                    key.stream,
+                    RetiredBatch {
+                        event: EventHandle(0),
+                        ranges: Vec::new(),
+                        release: Vec::new(),
+                    },
+                ));
+                batches.len() - 1
+            }
+        };
+        batches[i].1.ranges.push((src, start, n));
+        if release {
+            batches[i].1.release.extend(handles);
+            (n, Vec::new())
+        } else {
+            (n, handles)
+        }
+    }
+
+    /// Queues retired batches behind an event recorded now on each one's stream.
+    fn record_retired<D: Device>(
+        &mut self,
+        dev: &D,
+        batches: Vec<(StreamId, RetiredBatch)>,
+    ) -> Result<()> {
+        for (stream, mut b) in batches {
+            b.event = self.get_event(dev)?;
             drv!(self, record_event, dev.record_event(b.event, stream))?;
             self.retired.push_back(b);
         }
@@ -1198,10 +1223,7 @@ impl State {
             return Err(e.into());
         }
         // Pages are counted in the large pool while they are mapped nowhere.
-        self.stats
-            .reserved_bytes
-            .transfer(PoolKind::Large, kind, (n * p) as i64);
-        self.stats.segment.transfer(PoolKind::Large, kind, n as i64);
+        self.move_pages(PoolKind::Large, kind, n);
         let stream = self.arenas[aid as usize].key.stream;
         self.trace(TraceAction::SegmentMap, start, n * p, stream);
         Ok(())
@@ -1225,7 +1247,7 @@ impl State {
     }
 
     fn free<D: Device>(&mut self, dev: &D, ptr: DevicePtr) -> Result<()> {
-        let Some(b) = self.live.get_mut(&ptr) else {
+        let Some(b) = self.live.get(&ptr) else {
             return Err(
                 if self.live_containing(ptr).is_some()
                     || self
@@ -1244,29 +1266,48 @@ impl State {
             return Err(Error::DoubleFree(ptr));
         }
         let (size, requested, stream) = (b.size, b.requested, b.stream);
+        let used_elsewhere = !b.extra.is_empty();
         let kind = self.arenas[b.arena as usize].key.kind;
         let s = &mut self.stats;
         s.allocation.decrease(kind, 1);
         s.allocated_bytes.decrease(kind, size as i64);
         s.requested_bytes.decrease(kind, requested as i64);
         self.trace(TraceAction::FreeRequested, ptr, size, stream);
-        let b = self.live.get_mut(&ptr).expect("looked up above");
-        if b.extra.is_empty() {
+        if !used_elsewhere {
             self.finish_free(ptr);
             return Ok(());
         }
-        b.pending = true;
-        let streams = b.extra.clone();
-        let mut events = Vec::new();
-        if self.captures == 0 {
-            for s in streams {
-                let e = self.get_event(dev)?;
-                drv!(self, record_event, dev.record_event(e, s))?;
-                events.push(e);
-            }
+        // Events are recorded now, or after the capture that forbids them.
+        let events = if self.captures == 0 {
+            self.record_on_extra_streams(dev, ptr)?
+        } else {
+            Vec::new()
+        };
+        if let Some(b) = self.live.get_mut(&ptr) {
+            b.pending = true;
         }
         self.pending.push_back(PendingFree { ptr, events });
         Ok(())
+    }
+
+    /// Records a pooled event on each other stream that used the live block at `ptr`.
+    fn record_on_extra_streams<D: Device>(
+        &mut self,
+        dev: &D,
+        ptr: DevicePtr,
+    ) -> Result<Vec<EventHandle>> {
+        let streams = self
+            .live
+            .get(&ptr)
+            .map(|b| b.extra.clone())
+            .unwrap_or_default();
+        let mut events = Vec::with_capacity(streams.len());
+        for s in streams {
+            let e = self.get_event(dev)?;
+            drv!(self, record_event, dev.record_event(e, s))?;
+            events.push(e);
+        }
+        Ok(events)
     }
 
     fn finish_free(&mut self, ptr: DevicePtr) {
@@ -1289,28 +1330,15 @@ impl State {
             if p.events.is_empty() && !all {
                 // Deferred by a capture: record the events now.
                 let ptr = p.ptr;
-                let streams = self
-                    .live
-                    .get(&ptr)
-                    .map(|b| b.extra.clone())
-                    .unwrap_or_default();
-                let mut events = Vec::new();
-                for s in streams {
-                    let e = self.get_event(dev)?;
-                    drv!(self, record_event, dev.record_event(e, s))?;
-                    events.push(e);
-                }
+                let events = self.record_on_extra_streams(dev, ptr)?;
                 if let Some(p) = self.pending.front_mut() {
                     p.events = events;
                 }
             }
-            let events = self
-                .pending
-                .front()
-                .map(|p| p.events.clone())
-                .unwrap_or_default();
             if !all {
-                for &e in &events {
+                let n = self.pending.front().map_or(0, |p| p.events.len());
+                for i in 0..n {
+                    let e = self.pending[0].events[i];
                     if !drv!(self, query_event, dev.query_event(e))? {
                         return Ok(());
                     }
@@ -1385,14 +1413,7 @@ impl State {
                 let (start, handles) =
                     self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, false));
                 let n = handles.len() as u64;
-                self.stats.reserved_bytes.transfer(
-                    key.kind,
-                    PoolKind::Large,
-                    (n * self.page) as i64,
-                );
-                self.stats
-                    .segment
-                    .transfer(key.kind, PoolKind::Large, n as i64);
+                self.move_pages(key.kind, PoolKind::Large, n);
                 for (i, h) in handles.into_iter().enumerate() {
                     drv!(
                         self,

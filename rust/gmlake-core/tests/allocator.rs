@@ -488,19 +488,35 @@ fn allocation_lookup_and_history() {
 
 #[test]
 fn auto_gc_bounds_cached_memory_after_stitches() {
-    let cfg = Config {
-        auto_gc_bytes: Some(0),
-        ..Config::default()
+    // The same sequence with and without autoGC: a checkerboard leaves five free 10 MiB
+    // blocks; a 12 MiB request stitches pages from two of them, leaving four blocks with
+    // whole pages cached. With autoGC at 0 bytes the stitch retires every cached interior
+    // page, of every block, for release; the next slow path (another stream, so it stitches
+    // nothing) unmaps and releases them.
+    let run = |auto_gc| {
+        let cfg = Config {
+            auto_gc_bytes: auto_gc,
+            ..Config::default()
+        };
+        let (dev, a) = setup(1 << 30, cfg);
+        let _live = checkerboard(&a, 0);
+        a.allocate(12 * MIB, 0).unwrap();
+        a.allocate(PAGE, 9).unwrap();
+        a.verify().unwrap();
+        let s = a.stats();
+        assert!(s.stitches >= 1);
+        (s.num_device_free, s.cached_bytes, dev.physical_bytes())
     };
-    let (dev, a) = setup(1 << 30, cfg);
-    let _live = checkerboard(&a, 0);
-    let big = a.allocate(40 * MIB, 0).unwrap();
-    a.free(big).unwrap();
-    let p = a.allocate(60 * MIB, 0).unwrap(); // another stitch triggers the GC
-    a.allocate(PAGE * 40, 0).unwrap(); // processes the retired ranges
-    assert!(a.stats().stitches >= 1);
-    assert!(dev.physical_bytes() > 0 && p != 0);
-    a.verify().unwrap();
+    let (freed_off, cached_off, held_off) = run(None);
+    let (freed_on, cached_on, held_on) = run(Some(0));
+    assert_eq!(freed_off, 0, "without autoGC nothing is released");
+    assert!(freed_on > 0, "autoGC released pages");
+    assert!(cached_on < cached_off, "{cached_on} < {cached_off}");
+    assert!(
+        cached_on < PAGE * 8,
+        "only partial pages stay cached: {cached_on}"
+    );
+    assert!(held_on < held_off, "{held_on} < {held_off}");
 }
 
 #[test]
