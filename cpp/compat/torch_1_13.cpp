@@ -102,23 +102,6 @@ GmlakeDeviceAllocator& device_allocator() {
   return *a;
 }
 
-cca::Stat to_torch(const gmlake::ffi::Stat& s) {
-  cca::Stat t;
-  t.current = s.current;
-  t.peak = s.peak;
-  t.allocated = s.allocated;
-  t.freed = s.freed;
-  return t;
-}
-
-cca::StatArray to_torch(const std::array<gmlake::ffi::Stat, 3>& a) {
-  cca::StatArray t;
-  for (size_t i = 0; i < 3; ++i) {
-    t[i] = to_torch(a[i]);
-  }
-  return t;
-}
-
 // CUDA graph captures underway: (device, graph) -> pool.
 std::mutex g_captures_mu;
 std::map<std::pair<int, c10::cuda::CaptureId_t>, PoolId>& captures() {
@@ -244,20 +227,7 @@ DeviceStats getDeviceStats(int device) {
     t.max_split_size = std::numeric_limits<int64_t>::max();
     return t;
   }
-  t.allocation = to_torch(s.allocation);
-  t.segment = to_torch(s.segment);
-  t.active = to_torch(s.active);
-  t.inactive_split = to_torch(s.inactive_split);
-  t.allocated_bytes = to_torch(s.allocated_bytes);
-  t.reserved_bytes = to_torch(s.reserved_bytes);
-  t.active_bytes = to_torch(s.active_bytes);
-  t.inactive_split_bytes = to_torch(s.inactive_split_bytes);
-  t.num_alloc_retries = s.num_alloc_retries;
-  t.num_ooms = s.num_ooms;
-  t.oversize_allocations = to_torch(s.oversize_allocations);
-  t.oversize_segments = to_torch(s.oversize_segments);
-  t.max_split_size = s.max_split_size;
-  return t;
+  return gmlake::compat::device_stats_to<DeviceStats>(s);
 }
 
 void resetAccumulatedStats(int device) {

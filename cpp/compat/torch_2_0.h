@@ -34,40 +34,8 @@ inline void trace_gpu_free(void* p) {
   }
 }
 
-inline cca::Stat to_torch(const ffi::Stat& s) {
-  cca::Stat t;
-  t.current = s.current;
-  t.peak = s.peak;
-  t.allocated = s.allocated;
-  t.freed = s.freed;
-  return t;
-}
-
-inline cca::StatArray to_torch(const std::array<ffi::Stat, 3>& a) {
-  cca::StatArray t;
-  for (size_t i = 0; i < 3; ++i) {
-    t[i] = to_torch(a[i]);
-  }
-  return t;
-}
-
 inline cca::DeviceStats to_torch(const ffi::Stats& s) {
-  cca::DeviceStats t;
-  t.allocation = to_torch(s.allocation);
-  t.segment = to_torch(s.segment);
-  t.active = to_torch(s.active);
-  t.inactive_split = to_torch(s.inactive_split);
-  t.allocated_bytes = to_torch(s.allocated_bytes);
-  t.reserved_bytes = to_torch(s.reserved_bytes);
-  t.active_bytes = to_torch(s.active_bytes);
-  t.inactive_split_bytes = to_torch(s.inactive_split_bytes);
-  t.requested_bytes = to_torch(s.requested_bytes);
-  t.num_alloc_retries = s.num_alloc_retries;
-  t.num_ooms = s.num_ooms;
-  t.oversize_allocations = to_torch(s.oversize_allocations);
-  t.oversize_segments = to_torch(s.oversize_segments);
-  t.max_split_size = s.max_split_size;
-  return t;
+  return device_stats_to<cca::DeviceStats>(s);
 }
 
 // 2.0 has no SEGMENT_MAP / SEGMENT_UNMAP: a page mapped is reported as memory obtained, a page

@@ -30,43 +30,8 @@ inline void trace_gpu_free(void* p) {
   }
 }
 
-inline cda::Stat to_torch(const ffi::Stat& s) {
-  cda::Stat t;
-  t.current = s.current;
-  t.peak = s.peak;
-  t.allocated = s.allocated;
-  t.freed = s.freed;
-  return t;
-}
-
-inline cda::StatArray to_torch(const std::array<ffi::Stat, 3>& a) {
-  cda::StatArray t;
-  for (size_t i = 0; i < 3; ++i) {
-    t[i] = to_torch(a[i]);
-  }
-  return t;
-}
-
 inline cda::DeviceStats to_torch(const ffi::Stats& s) {
-  cda::DeviceStats t;
-  t.allocation = to_torch(s.allocation);
-  t.segment = to_torch(s.segment);
-  t.active = to_torch(s.active);
-  t.inactive_split = to_torch(s.inactive_split);
-  t.allocated_bytes = to_torch(s.allocated_bytes);
-  t.reserved_bytes = to_torch(s.reserved_bytes);
-  t.active_bytes = to_torch(s.active_bytes);
-  t.inactive_split_bytes = to_torch(s.inactive_split_bytes);
-  t.requested_bytes = to_torch(s.requested_bytes);
-  t.num_alloc_retries = s.num_alloc_retries;
-  t.num_ooms = s.num_ooms;
-  t.oversize_allocations = to_torch(s.oversize_allocations);
-  t.oversize_segments = to_torch(s.oversize_segments);
-  t.num_sync_all_streams = s.num_sync_all_streams;
-  t.num_device_alloc = s.num_device_alloc;
-  t.num_device_free = s.num_device_free;
-  t.max_split_size = s.max_split_size;
-  return t;
+  return device_stats_to<cda::DeviceStats>(s);
 }
 
 inline cca::TraceEntry to_torch(const TraceRec& r) {
