@@ -9,6 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import models  # noqa: E402
 
 NAME = "fsdp_offload"
 DEFAULTS = {"steps": 6, "warmup": 2, "batch": 8, "cap_gib": 12.0, "search_steps": 3}
@@ -28,7 +29,7 @@ def add_args(p):
     g.add_argument("--no-offload", action="store_true", help="keep everything on the GPU")
 
 
-class FsdpOffload:
+class FsdpOffload(models.CausalLMSteps):
     def __init__(self, args, device):
         import tempfile
 
@@ -80,27 +81,6 @@ class FsdpOffload:
                           heads=args.heads, intermediate=args.intermediate, vocab=args.vocab,
                           param_dtype="float32", compute_dtype="bfloat16" if cuda else "float32",
                           offload=offload, backend=backend, world_size=1)
-
-    def info(self):
-        return self._info
-
-    def sample(self, rng, batch, final_max=False):
-        seq = self.args.seq_max if final_max else rng.randint(self.args.seq_min, self.args.seq_max)
-        return {"seq": seq, "seed": rng.randrange(1 << 30)}
-
-    def work(self, batch, shape):
-        return batch * shape["seq"]
-
-    def step(self, batch, shape):
-        import torch
-
-        g = torch.Generator(device=self.device)
-        g.manual_seed(shape["seed"])
-        ids = torch.randint(0, self.args.vocab, (batch, shape["seq"]), device=self.device, generator=g)
-        out = self.model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
 
     def reset(self):
         from torch.distributed.fsdp import FSDPModule

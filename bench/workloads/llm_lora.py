@@ -8,6 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import models  # noqa: E402
 
 NAME = "llm_lora"
 DEFAULTS = {"steps": 10, "warmup": 3, "batch": 4, "cap_gib": 20.0, "search_steps": 3}
@@ -26,7 +27,7 @@ def add_args(p):
     g.add_argument("--no-checkpointing", action="store_true")
 
 
-class LlmLora:
+class LlmLora(models.CausalLMSteps):
     def __init__(self, args, device):
         import torch
         from peft import LoraConfig, get_peft_model
@@ -64,27 +65,6 @@ class LlmLora:
                           dtype="bfloat16", lora_r=args.lora_r,
                           attn=getattr(model.config, "_attn_implementation", None),
                           checkpointing=not args.no_checkpointing)
-
-    def info(self):
-        return self._info
-
-    def sample(self, rng, batch, final_max=False):
-        seq = self.args.seq_max if final_max else rng.randint(self.args.seq_min, self.args.seq_max)
-        return {"seq": seq, "seed": rng.randrange(1 << 30)}
-
-    def work(self, batch, shape):
-        return batch * shape["seq"]
-
-    def step(self, batch, shape):
-        import torch
-
-        g = torch.Generator(device=self.device)
-        g.manual_seed(shape["seed"])
-        ids = torch.randint(0, self.args.vocab, (batch, shape["seq"]), device=self.device, generator=g)
-        out = self.model(input_ids=ids, labels=ids)
-        out.loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
 
     def reset(self):
         self.opt.zero_grad(set_to_none=True)

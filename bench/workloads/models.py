@@ -39,3 +39,31 @@ def count_params(model) -> Dict[str, Any]:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"params": total, "trainable_params": trainable}
+
+
+class CausalLMSteps:
+    """The training step shared by the language-model workloads: random token ids of a
+    sequence length drawn per step (seeded, so every allocator sees the same shapes), a
+    forward with labels, backward, and an optimizer step. Subclasses set `args`, `device`,
+    `model`, `opt` and `_info`."""
+
+    def info(self):
+        return self._info
+
+    def sample(self, rng, batch, final_max=False):
+        seq = self.args.seq_max if final_max else rng.randint(self.args.seq_min, self.args.seq_max)
+        return {"seq": seq, "seed": rng.randrange(1 << 30)}
+
+    def work(self, batch, shape):
+        return batch * shape["seq"]
+
+    def step(self, batch, shape):
+        import torch
+
+        g = torch.Generator(device=self.device)
+        g.manual_seed(shape["seed"])
+        ids = torch.randint(0, self.args.vocab, (batch, shape["seq"]), device=self.device, generator=g)
+        out = self.model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
