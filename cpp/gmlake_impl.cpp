@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <optional>
 #include <sstream>
 #include <unordered_set>
@@ -1101,6 +1102,110 @@ void Impl::attach_trace_tracker(TraceTracker tracker) {
     trackers_.push_back(std::move(tracker));
   }
   refresh_tracing();
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA IPC
+
+std::pair<int64_t, std::string> Impl::share_ipc(void* ptr) {
+  const int d = owner_of(ptr);
+  TORCH_CHECK(
+      d >= 0,
+      "gmlake: shareIpcHandle: device pointer ", ptr,
+      " was not allocated by gmlake (allocated before gmlake was installed?)");
+  try {
+    ffi::IpcShare s = core(d).share_ipc(reinterpret_cast<uint64_t>(ptr));
+    std::string bytes(s.handle.begin(), s.handle.end());
+    return {static_cast<int64_t>(s.offset), std::move(bytes)};
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: shareIpcHandle(", ptr, ") on device ", d, ": ", e.what());
+  }
+}
+
+std::shared_ptr<void> Impl::ipc_cached(
+    const std::string& key,
+    const std::function<std::shared_ptr<void>()>& open) {
+  std::lock_guard<std::mutex> g(ipc_mu_);
+  auto it = ipc_open_.find(key);
+  if (it != ipc_open_.end()) {
+    if (auto sp = it->second.lock()) {
+      return sp;
+    }
+  }
+  std::shared_ptr<void> sp = open();
+  ipc_open_[key] = sp;
+  return sp;
+}
+
+std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
+  const rust::Slice<const uint8_t> bytes(
+      reinterpret_cast<const uint8_t*>(handle.data()), handle.size());
+  uint8_t kind = 0;
+  try {
+    kind = ffi::ipc_handle_kind(bytes);
+  } catch (const rust::Error& e) {
+    TORCH_CHECK(false, "gmlake: getIpcDevPtr: ", e.what());
+  }
+  if (kind == 'c') {
+    return open_cuda_ipc_handle(handle.substr(2));
+  }
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  const int d = device;
+  return ipc_cached(handle, [&]() -> std::shared_ptr<void> {
+    uint64_t base = 0;
+    try {
+      base = core(d).open_ipc(bytes);
+    } catch (const rust::Error& e) {
+      TORCH_CHECK(false, "gmlake: getIpcDevPtr on device ", d, ": ", e.what());
+    }
+    return std::shared_ptr<void>(reinterpret_cast<void*>(base), [this, d, handle](void* p) {
+      {
+        std::lock_guard<std::mutex> g(ipc_mu_);
+        auto it = ipc_open_.find(handle);
+        if (it != ipc_open_.end() && it->second.expired()) {
+          ipc_open_.erase(it);
+        }
+      }
+      try {
+        core(d).close_ipc(reinterpret_cast<uint64_t>(p));
+      } catch (const std::exception& e) {
+        log_once("close_ipc", std::string("gmlake: closing imported CUDA memory failed: ") + e.what());
+      }
+    });
+  });
+}
+
+std::shared_ptr<void> Impl::open_cuda_ipc_handle(const std::string& raw) {
+  TORCH_CHECK(
+      raw.size() == sizeof(cudaIpcMemHandle_t),
+      "gmlake: getIpcDevPtr: a cudaMalloc IPC handle has ", sizeof(cudaIpcMemHandle_t),
+      " bytes, got ", raw.size());
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  const std::string key = std::string("c") + raw;
+  return ipc_cached(key, [&]() -> std::shared_ptr<void> {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, raw.data(), sizeof h);
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    return std::shared_ptr<void>(p, [this, device, key](void* q) {
+      {
+        std::lock_guard<std::mutex> g(ipc_mu_);
+        auto it = ipc_open_.find(key);
+        if (it != ipc_open_.end() && it->second.expired()) {
+          ipc_open_.erase(it);
+        }
+      }
+      c10::cuda::CUDAGuard guard(device);
+      cudaError_t err = cudaIpcCloseMemHandle(q);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        log_once("cudaIpcCloseMemHandle", std::string("gmlake: cudaIpcCloseMemHandle failed: ") +
+                     cudaGetErrorString(err));
+      }
+    });
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

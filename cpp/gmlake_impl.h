@@ -211,6 +211,17 @@ class Impl {
   void attach_oom_observer(OomObserver obs);
   void attach_trace_tracker(TraceTracker tracker);
 
+  // CUDA IPC. share_ipc: the handle bytes (PyTorch's layout, version 2, type 'e') of the
+  // allocation containing `ptr` and the offset of `ptr` in the range the receiver maps.
+  // get_ipc_dev_ptr: opens a handle of another process on the current device (gmlake's or
+  // the native allocator's: 'e' page handles are mapped by gmlake, 'c' cudaMalloc handles are
+  // opened with cudaIpcOpenMemHandle); the same handle opened twice gives the same pointer
+  // while the first is alive; the range is closed when the last shared_ptr goes.
+  // open_cuda_ipc_handle: a raw cudaIpcMemHandle_t (torch < 2.5's handle bytes).
+  std::pair<int64_t, std::string> share_ipc(void* ptr);
+  std::shared_ptr<void> get_ipc_dev_ptr(const std::string& handle);
+  std::shared_ptr<void> open_cuda_ipc_handle(const std::string& raw);
+
   // Peers and copies.
   void enable_peer_access(int dev, int dev_to_access);
   cudaError_t memcpy_async(
@@ -275,6 +286,13 @@ class Impl {
 
   std::mutex log_mu_;
   std::map<std::string, int> logged_;
+
+  // Open IPC handles: handle bytes -> the pointer handed out (as PyTorch's
+  // ipcMemHandle_to_devptr). Entries whose pointer died are erased by its deleter.
+  std::mutex ipc_mu_;
+  std::map<std::string, std::weak_ptr<void>> ipc_open_;
+  std::shared_ptr<void> ipc_cached(const std::string& key,
+                                   const std::function<std::shared_ptr<void>()>& open);
 };
 
 } // namespace gmlake

@@ -304,17 +304,12 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
     std::vector<void*> expected(expected_live_allocations.begin(), expected_live_allocations.end());
     return impl_.check_pool_live_allocations(device, PoolId{mempool_id.first, mempool_id.second}, expected);
   }
-  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
-    TORCH_CHECK(
-        false,
-        "gmlake: sharing CUDA memory between processes (CUDA IPC, torch.multiprocessing) is not "
-        "supported yet by gmlake");
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    auto [offset, handle] = impl_.share_ipc(ptr);
+    return c10::cuda::CUDACachingAllocator::ShareableHandle{offset, std::move(handle)};
   }
-  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
-    TORCH_CHECK(
-        false,
-        "gmlake: opening CUDA memory of another process (CUDA IPC, torch.multiprocessing) is not "
-        "supported yet by gmlake");
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return impl_.get_ipc_dev_ptr(handle);
   }
   bool isHistoryEnabled() override {
     return impl_.history_enabled();

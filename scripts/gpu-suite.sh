@@ -34,6 +34,7 @@ if [ "${1:-}" = "--prepare" ]; then
   command -v cargo >/dev/null 2>&1 || source scripts/ensure-rust.sh
   target="${CARGO_TARGET_DIR:-$ROOT/target}"
   objcopy --strip-debug "$target/release/libgmlake_ffi.a" "$ART/libgmlake_ffi.a"
+  cp "${BUILD_DIR:-$ROOT/build/torch-ext}/gmlake_peer_copy_test" "$ART/gmlake_peer_copy_test"
   rm -rf "$ART/cxxbridge"
   cp -rL "$target/cxxbridge" "$ART/cxxbridge"
   du -sh "$ART"/* | sed 's/^/[gpu-suite] /'
@@ -54,6 +55,8 @@ start=$SECONDS
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -4
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ] && nvidia-smi topo -m 2>&1 | head -8
+echo "kernel $(uname -r); yama ptrace_scope $(cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null || echo n/a); NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-unset}"
 "$PY" - <<'EOF' 2>&1
 import torch, json, os, sys
 print(f"python {sys.version.split()[0]}  torch {torch.__version__}  cuda {torch.version.cuda}  "
@@ -92,7 +95,10 @@ fi
 
 echo "== tests/gpu"
 files=(tests/gpu/test_install.py tests/gpu/test_memory.py tests/gpu/test_graphs.py
-       tests/gpu/test_history.py tests/gpu/test_training.py tests/gpu/test_sanitizer.py)
+       tests/gpu/test_history.py tests/gpu/test_ipc.py tests/gpu/test_multi_gpu.py
+       tests/gpu/test_training.py tests/gpu/test_sanitizer.py)
+# GMLAKE_SUITE_FILES="tests/gpu/a.py tests/gpu/b.py" runs only those.
+if [ -n "${GMLAKE_SUITE_FILES:-}" ]; then read -r -a files <<<"$GMLAKE_SUITE_FILES"; fi
 "$PY" -m pytest -v -rA --tb=short -p no:cacheprovider --junitxml="$LOG/junit.xml" \
   "${files[@]}" "$@" 2>&1 | tee "$LOG/suite.log"
 rc=${PIPESTATUS[0]}
@@ -116,5 +122,18 @@ print(f"training ({d['model']}, {d['steps']} steps): losses identical to native 
 print("\n".join(d["table"]))
 EOF
   fi
+  for f in "$LOG"/dist_ddp.json "$LOG"/dist_fsdp.json; do
+    [ -f "$f" ] || continue
+    "$PY" - "$f" <<'EOF'
+import json, os, sys
+rows = json.load(open(sys.argv[1]))
+name = os.path.basename(sys.argv[1])[5:-5]
+for r in rows:
+    print(f"{name} rank {r['rank']}: {r['equal_losses']}/{r['steps']} losses equal to native "
+          f"(max diff {r['max_loss_diff']:.3g}); utilization native {r['native_util']:.3f} gmlake "
+          f"{r['gmlake_util']:.3f}; peak reserved {r['native_peak_reserved']/2**30:.2f} / "
+          f"{r['gmlake_peak_reserved']/2**30:.2f} GiB; step {r['native_step_ms']:.1f} / {r['gmlake_step_ms']:.1f} ms")
+EOF
+  done
 } | tee "$LOG/summary.txt"
 exit "$rc"

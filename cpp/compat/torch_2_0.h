@@ -223,11 +223,11 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   void notifyCaptureDestroy(int device, compat::MempoolId mempool_id) override {
     impl_.release_pool(device, PoolId{mempool_id.first, mempool_id.second});
   }
-  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
-    TORCH_CHECK(
-        false,
-        "gmlake: opening CUDA memory of another process (CUDA IPC, torch.multiprocessing) is not "
-        "supported yet by gmlake");
+  // Before 2.5 PyTorch shares with cudaIpcGetMemHandle itself (which cannot share gmlake's
+  // page-mapped memory: sending fails with CUDA's error); what it receives is a raw
+  // cudaIpcMemHandle_t of a process using the native allocator, which gmlake opens.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return impl_.open_cuda_ipc_handle(handle);
   }
   void recordHistory(
       bool enabled,

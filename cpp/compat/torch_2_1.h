@@ -190,11 +190,11 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
     std::vector<void*> expected(expected_live_allocations.begin(), expected_live_allocations.end());
     return impl_.check_pool_live_allocations(device, PoolId{mempool_id.first, mempool_id.second}, expected);
   }
-  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override {
-    TORCH_CHECK(
-        false,
-        "gmlake: opening CUDA memory of another process (CUDA IPC, torch.multiprocessing) is not "
-        "supported yet by gmlake");
+  // Before 2.5 PyTorch shares with cudaIpcGetMemHandle itself (which cannot share gmlake's
+  // page-mapped memory: sending fails with CUDA's error); what it receives is a raw
+  // cudaIpcMemHandle_t of a process using the native allocator, which gmlake opens.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return impl_.open_cuda_ipc_handle(handle);
   }
   bool isHistoryEnabled() override {
     return impl_.history_enabled();

@@ -115,12 +115,22 @@ int main(int argc, char** argv) {
   CHECK(a->name() == "gmlake", "name");
   CHECK(a->getExpandableSegmentSizes(0).empty(), "expandable segments");
 
-  // Unsupported features fail with clear errors.
+  // Bad input fails with clear errors: sharing what gmlake did not allocate, opening
+  // malformed IPC handles.
   try {
     a->shareIpcHandle(nullptr);
     CHECK(false, "shareIpcHandle did not throw");
   } catch (const c10::Error& e) {
-    CHECK(contains(e.what(), "not supported yet by gmlake"), "%s", e.what());
+    CHECK(contains(e.what(), "was not allocated by gmlake"), "%s", e.what());
+  }
+  for (const std::string& bad : {std::string(), std::string("\x01e"), std::string("\x02q"),
+                                 std::string("\x02e\x01\x02")}) {
+    try {
+      a->getIpcDevPtr(bad);
+      CHECK(false, "getIpcDevPtr accepted a malformed handle of %zu bytes", bad.size());
+    } catch (const c10::Error& e) {
+      CHECK(contains(e.what(), "invalid CUDA IPC handle"), "%s", e.what());
+    }
   }
   try {
     a->setCheckpointPoolState(0, nullptr);

@@ -19,6 +19,7 @@ use crate::arena::{Arena, ArenaKey, BlockState as ArenaState, Page};
 use crate::config::{Config, StitchStrategy};
 use crate::device::{Device, DeviceError, DevicePtr, EventHandle, PhysHandle, StreamId};
 use crate::error::{Error, OomInfo, Result};
+use crate::ipc::{Imports, SharedPages};
 use crate::stats::{BlockInfo, BlockState, DeviceStats, PoolKind, SegmentInfo, Snapshot};
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -161,6 +162,8 @@ struct State {
 pub struct Allocator<D: Device> {
     device: D,
     state: Mutex<State>,
+    /// Ranges imported from other processes. Lock order: `state` before `imports`.
+    imports: Mutex<Imports>,
 }
 
 macro_rules! drv {
@@ -233,6 +236,7 @@ impl<D: Device> Allocator<D> {
         Ok(Allocator {
             device,
             state: Mutex::new(state),
+            imports: Mutex::new(Imports::default()),
         })
     }
 
@@ -392,6 +396,9 @@ impl<D: Device> Allocator<D> {
             .map(|r| r.2 * st.page)
             .sum();
         s.pending_frees = st.pending.len() as u64;
+        let imp = self.imports.lock();
+        s.ipc_imported_bytes = imp.bytes();
+        s.ipc_imports = imp.len() as u64;
         s
     }
 
@@ -448,6 +455,84 @@ impl<D: Device> Allocator<D> {
         Some(a.pages.range(lo..hi).map(|(&v, p)| (v, p.handle)).collect())
     }
 
+    /// The pages under the live allocation containing `ptr`, for sharing with another process
+    /// (see [`crate::ipc`]): every page the block touches, in address order, and the offset of
+    /// `ptr` from the first. The block stays this process's; the caller exports the pages.
+    pub fn share(&self, ptr: DevicePtr) -> Result<SharedPages> {
+        let mut st = self.state.lock();
+        let (base, size) = st.live_containing(ptr).ok_or(Error::UnknownPointer(ptr))?;
+        let page = st.page;
+        let aid = st.live.get(&base).ok_or(Error::UnknownPointer(ptr))?.arena;
+        let lo = base & !(page - 1);
+        let hi = (base + size.max(1)).div_ceil(page) * page;
+        let handles: Vec<PhysHandle> = st.arenas[aid as usize]
+            .pages
+            .range(lo..hi)
+            .map(|(_, p)| p.handle)
+            .collect();
+        if handles.len() as u64 != (hi - lo) / page {
+            return Err(Error::InvalidState(format!(
+                "allocation {base:#x} of {size} bytes has {} of its {} pages mapped",
+                handles.len(),
+                (hi - lo) / page
+            )));
+        }
+        st.stats.ipc_shares += 1;
+        Ok(SharedPages {
+            base: lo,
+            offset: ptr - lo,
+            page_size: page,
+            handles,
+        })
+    }
+
+    /// Maps pages imported from another process (`handles`, in order, each `page_size`
+    /// bytes; ownership passes to the allocator, also on failure) into a new range with
+    /// access for this device and its peers, and returns its address.
+    pub fn import_pages(&self, handles: Vec<PhysHandle>, page_size: u64) -> Result<DevicePtr> {
+        self.imports.lock().map(&self.device, handles, page_size)
+    }
+
+    /// Unmaps a range made by [`Allocator::import_pages`] and releases its pages, after
+    /// waiting for the device's work (which may still read the range), as PyTorch does when it
+    /// closes an imported expandable segment. Fails during a CUDA graph capture.
+    pub fn close_imported(&self, ptr: DevicePtr) -> Result<()> {
+        if self.state.lock().captures > 0 {
+            return Err(Error::InvalidState(format!(
+                "cannot close the imported range {ptr:#x} while a CUDA graph is captured"
+            )));
+        }
+        if !self.imports.lock().contains(ptr) {
+            return Err(Error::UnknownPointer(ptr));
+        }
+        self.device.synchronize()?;
+        self.imports.lock().close(&self.device, ptr)
+    }
+
+    /// Grants access again on every range mapped now (blocks, retired aliases, imports), with
+    /// the device's current access list: after a peer was added to it (`enablePeerAccess`),
+    /// ranges mapped before must be granted anew. Holds the lock throughout, so no range
+    /// changes meanwhile.
+    pub fn regrant_access(&self) -> Result<()> {
+        let st = self.state.lock();
+        let page = st.page;
+        for a in &st.arenas {
+            for (start, len) in a.mapped_runs() {
+                drv_plain(&self.device, start, len)?;
+            }
+        }
+        for b in &st.retired {
+            for &(_, start, n) in &b.ranges {
+                drv_plain(&self.device, start, n * page)?;
+            }
+        }
+        let imp = self.imports.lock();
+        for (start, len) in imp.ranges() {
+            drv_plain(&self.device, start, len)?;
+        }
+        Ok(())
+    }
+
     /// Keeps up to `capacity` history events (0 turns history off and drops it).
     pub fn set_history(&self, capacity: usize) {
         let mut st = self.state.lock();
@@ -474,8 +559,17 @@ impl<D: Device> Allocator<D> {
     }
 }
 
+/// `set_access` of a whole mapped run.
+fn drv_plain<D: Device>(dev: &D, start: u64, len: u64) -> Result<()> {
+    dev.set_access(start, len as usize).map_err(Error::from)
+}
+
 impl<D: Device> Drop for Allocator<D> {
     fn drop(&mut self) {
+        let imports: Vec<DevicePtr> = self.imports.get_mut().ranges().map(|r| r.0).collect();
+        for addr in imports {
+            let _ = self.imports.get_mut().close(&self.device, addr);
+        }
         let st = self.state.get_mut();
         // Live allocations leak with their pages; everything cached goes back.
         if st.captures == 0 {

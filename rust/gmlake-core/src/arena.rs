@@ -325,6 +325,27 @@ impl Arena {
         self.insert_free_unmapped(start, size, id);
     }
 
+    /// Maximal runs of mapped pages as (start, bytes), each within one chunk (one
+    /// reservation on the device). O(pages); for rare calls (granting a new peer access).
+    pub fn mapped_runs(&self) -> Vec<(u64, u64)> {
+        let chunk_starts: BTreeSet<u64> = self
+            .chunks
+            .iter()
+            .filter(|c| c.1 > 0)
+            .map(|c| c.0)
+            .collect();
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for &va in self.pages.keys() {
+            match out.last_mut() {
+                Some((start, len)) if *start + *len == va && !chunk_starts.contains(&va) => {
+                    *len += self.page
+                }
+                _ => out.push((va, self.page)),
+            }
+        }
+        out
+    }
+
     /// Chunks whose whole range is free and unmapped: removed from the arena and returned,
     /// for the caller to free on the device.
     pub fn drain_empty_chunks(&mut self) -> Vec<(u64, u64)> {

@@ -44,6 +44,8 @@ pub enum Error {
     InvalidState(String),
     /// The device failed.
     Device(DeviceError),
+    /// An IPC handle (the bytes another process sent) is malformed: says what is wrong.
+    InvalidIpcHandle(String),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -89,6 +91,7 @@ impl fmt::Display for Error {
             }
             Error::InvalidState(m) => write!(f, "{m}"),
             Error::Device(e) => write!(f, "device error: {e}"),
+            Error::InvalidIpcHandle(m) => write!(f, "invalid CUDA IPC handle: {m}"),
         }
     }
 }

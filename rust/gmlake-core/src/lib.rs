@@ -14,6 +14,7 @@ mod arena;
 pub mod config;
 pub mod device;
 pub mod error;
+pub mod ipc;
 pub mod sim;
 pub mod stats;
 
@@ -21,6 +22,7 @@ pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceActi
 pub use config::{parse_size, Config, StitchStrategy};
 pub use device::{Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId};
 pub use error::{Error, OomInfo, Result};
+pub use ipc::{IpcHandle, SharedPages};
 pub use sim::SimDevice;
 pub use stats::{
     BlockInfo, BlockState, DeviceStats, DriverCalls, PoolKind, SegmentInfo, Snapshot, Stat,

@@ -19,12 +19,20 @@ const VA_LIMIT: u64 = VA_BASE + (1 << 46);
 struct Handle {
     size: u64,
     mappings: u32,
+    /// The physical allocation behind the handle: imported handles share their exporter's.
+    alloc: u64,
 }
 
 #[derive(Debug, Default)]
 struct SimState {
     next_handle: u64,
     handles: FxHashMap<u64, Handle>,
+    /// allocation -> handles referring to it (created or imported); freed at 0.
+    alloc_refs: FxHashMap<u64, u32>,
+    /// Exported "descriptors" -> the handle they were exported from (valid until it is
+    /// released, as gmlake-cuda closes a page's descriptor when it releases the page).
+    exports: FxHashMap<i32, u64>,
+    next_export: i32,
     physical_bytes: u64,
     /// start -> size
     reservations: BTreeMap<u64, u64>,
@@ -121,6 +129,58 @@ impl SimDevice {
         self.state.lock().events.len()
     }
 
+    /// Exports a handle for another process as a descriptor-like token, valid until the
+    /// handle is released (several exports of one handle give the same token), like
+    /// `cuMemExportToShareableHandle` with the descriptor cached per page.
+    pub fn export_token(&self, handle: PhysHandle) -> DeviceResult<i32> {
+        let mut st = self.state.lock();
+        if !st.handles.contains_key(&handle.0) {
+            return invalid(format!("export of unknown handle {}", handle.0));
+        }
+        if let Some((&t, _)) = st.exports.iter().find(|(_, &h)| h == handle.0) {
+            return Ok(t);
+        }
+        st.next_export += 1;
+        let t = st.next_export + 2; // past stdin/stdout/stderr, as a real descriptor would be
+        st.exports.insert(t, handle.0);
+        Ok(t)
+    }
+
+    /// Imports a token made by [`SimDevice::export_token`] as a new handle to the same
+    /// physical allocation (`cuMemImportFromShareableHandle`): the memory lives until every
+    /// handle to it is released.
+    pub fn import_token(&self, token: i32) -> DeviceResult<PhysHandle> {
+        let mut st = self.state.lock();
+        let Some(&from) = st.exports.get(&token) else {
+            return invalid(format!(
+                "import of descriptor {token}: not exported, or its page was released"
+            ));
+        };
+        let (size, alloc) = {
+            let h = &st.handles[&from];
+            (h.size, h.alloc)
+        };
+        let id = st.next_handle;
+        st.next_handle += 1;
+        st.handles.insert(
+            id,
+            Handle {
+                size,
+                mappings: 0,
+                alloc,
+            },
+        );
+        *st.alloc_refs
+            .get_mut(&alloc)
+            .expect("allocation of a live handle") += 1;
+        Ok(PhysHandle(id))
+    }
+
+    /// The physical allocation behind a handle (equal for an exported handle and its imports).
+    pub fn allocation_of(&self, handle: PhysHandle) -> Option<u64> {
+        self.state.lock().handles.get(&handle.0).map(|h| h.alloc)
+    }
+
     /// The physical handle and offset behind a virtual address, if it is mapped with access.
     pub fn translate(&self, addr: DevicePtr) -> Option<(PhysHandle, u64)> {
         let st = self.state.lock();
@@ -172,7 +232,15 @@ impl Device for SimDevice {
         }
         let id = st.next_handle;
         st.next_handle += 1;
-        st.handles.insert(id, Handle { size, mappings: 0 });
+        st.handles.insert(
+            id,
+            Handle {
+                size,
+                mappings: 0,
+                alloc: id,
+            },
+        );
+        st.alloc_refs.insert(id, 1);
         st.physical_bytes += size;
         Ok(PhysHandle(id))
     }
@@ -187,9 +255,18 @@ impl Device for SimDevice {
                 handle.0, h.mappings
             )),
             Some(h) => {
-                let size = h.size;
+                let (size, alloc) = (h.size, h.alloc);
                 st.handles.remove(&handle.0);
-                st.physical_bytes -= size;
+                st.exports.retain(|_, h| *h != handle.0);
+                let refs = st
+                    .alloc_refs
+                    .get_mut(&alloc)
+                    .expect("allocation of a live handle");
+                *refs -= 1;
+                if *refs == 0 {
+                    st.alloc_refs.remove(&alloc);
+                    st.physical_bytes -= size;
+                }
                 Ok(())
             }
         }

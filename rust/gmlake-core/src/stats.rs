@@ -174,6 +174,12 @@ pub struct DeviceStats {
     pub pending_frees: u64,
     /// Frees of pointers this allocator did not hand out, tolerated.
     pub unknown_frees: u64,
+    /// Allocations shared with other processes (CUDA IPC exports).
+    pub ipc_shares: u64,
+    /// Ranges imported from other processes and mapped now, and their bytes (not counted in
+    /// reserved or allocated bytes: the memory is the exporter's).
+    pub ipc_imports: u64,
+    pub ipc_imported_bytes: u64,
     pub driver_calls: DriverCalls,
 }
 

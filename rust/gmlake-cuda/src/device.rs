@@ -6,7 +6,7 @@ use gmlake_core::{
     Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId,
 };
 use parking_lot::{Mutex, RwLock};
-use rustc_hash::FxHashSet;
+use rustc_hash::{FxHashMap, FxHashSet};
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -145,6 +145,10 @@ pub struct CudaDevice {
     /// Events created here and not yet destroyed (as integers). Held while an event is used,
     /// so a destroyed or foreign handle never reaches the driver.
     events: Mutex<FxHashSet<u64>>,
+    /// Descriptors exported for IPC, per physical handle: kept open until the handle is
+    /// released, because an importing process duplicates them (`pidfd_getfd`) at a time the
+    /// exporter cannot know.
+    exported: Mutex<FxHashMap<u64, i32>>,
 }
 
 // SAFETY: the raw pointers inside (the primary context handle, and the null
@@ -283,6 +287,7 @@ impl CudaDevice {
             access: RwLock::new(vec![read_write_access(dev)]),
             peers: Mutex::new(Vec::new()),
             events: Mutex::new(FxHashSet::default()),
+            exported: Mutex::new(FxHashMap::default()),
         })
     }
 
@@ -376,6 +381,30 @@ impl CudaDevice {
         Ok(fd)
     }
 
+    /// The descriptor of `handle` for IPC: exported once ([`CudaDevice::export_fd`]) and kept
+    /// open by this device until [`Device::release_physical`] releases the handle, so another
+    /// process can duplicate it while the page lives. The caller must not close it.
+    pub fn shared_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
+        let mut exported = self.exported.lock();
+        if let Some(&fd) = exported.get(&handle.0) {
+            return Ok(fd);
+        }
+        let fd = self.export_fd(handle)?;
+        exported.insert(handle.0, fd);
+        Ok(fd)
+    }
+
+    /// Imports page `fd` of process `pid` (a descriptor number in that process, as
+    /// [`CudaDevice::shared_fd`] gave it there): duplicates it with `pidfd_open` +
+    /// `pidfd_getfd` (Linux 5.6+; needs ptrace access to that process: same user, and
+    /// `/proc/sys/kernel/yama/ptrace_scope` 0, or root), imports it, and closes the duplicate.
+    pub fn import_from_process(&self, pid: i32, fd: i32) -> DeviceResult<PhysHandle> {
+        let local = crate::pidfd::dup_from_process(pid, fd)?;
+        let r = self.import_fd(local.raw());
+        drop(local);
+        r
+    }
+
     /// Imports physical memory exported by another process with [`CudaDevice::export_fd`]
     /// (`cuMemImportFromShareableHandle`). The descriptor stays owned by the caller (it may be
     /// closed once this returns). The returned handle maps like one from `create_physical`
@@ -463,6 +492,9 @@ impl Drop for CudaDevice {
                 }
             }
         }
+        for (_, fd) in self.exported.get_mut().drain() {
+            crate::pidfd::close_fd(fd);
+        }
         // SAFETY: balances the cuDevicePrimaryCtxRetain in `new`; `self` is going away, so the
         // context handle is not used again by us.
         let _ = unsafe { (self.drv.primary_ctx_release)(self.dev) };
@@ -539,8 +571,12 @@ impl Device for CudaDevice {
         let _ctx = self.bind()?;
         // SAFETY: allocation handles are opaque ids the driver looks up; an unknown or released
         // one is reported as CUDA_ERROR_INVALID_VALUE, not dereferenced.
-        self.drv
-            .check("cuMemRelease", unsafe { (self.drv.mem_release)(handle.0) })
+        let r = unsafe { (self.drv.mem_release)(handle.0) };
+        self.drv.check("cuMemRelease", r)?;
+        if let Some(fd) = self.exported.lock().remove(&handle.0) {
+            crate::pidfd::close_fd(fd);
+        }
+        Ok(())
     }
 
     fn reserve_va(&self, size: usize, alignment: usize) -> DeviceResult<DevicePtr> {

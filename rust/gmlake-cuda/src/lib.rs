@@ -11,12 +11,15 @@
 //! [`gmlake_core::DeviceError::Unavailable`]; nothing here panics on a missing library or
 //! symbol. All `unsafe` code of the project's CUDA access lives in this crate.
 //!
-//! IPC helpers for later work: [`CudaDevice::export_fd`] and [`CudaDevice::import_fd`].
+//! CUDA IPC: [`CudaDevice::shared_fd`] exports a page as a POSIX descriptor kept open while
+//! the page lives; [`CudaDevice::import_from_process`] imports another process's page through
+//! `pidfd_getfd` (module `pidfd`).
 
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 mod device;
 mod driver;
+mod pidfd;
 
 pub use device::{device_count, driver_version, CudaDevice};
 pub use gmlake_core::{Device, DeviceError, DeviceResult};

@@ -2,21 +2,36 @@
 //! serves the CUDA device and the simulated one alike.
 
 use crate::capture::CaptureAware;
+use gmlake_core::ipc::{self, IpcHandle};
 use gmlake_core::{
     AllocationInfo, Allocator, CacheInfo, Config, Device, DeviceError, DevicePtr, DeviceResult,
-    DeviceStats, GraphPoolId, Result, SimDevice, Snapshot, StreamId, TraceEvent,
+    DeviceStats, Error, GraphPoolId, PhysHandle, Result, SimDevice, Snapshot, StreamId, TraceEvent,
 };
 
-/// What a device offers beyond [`Device`]: access for peer GPUs.
+/// What a device offers beyond [`Device`]: access for peer GPUs, and pages exported to and
+/// imported from other processes.
 pub trait PeerAccess {
     fn add_peer(&self, ordinal: i32) -> DeviceResult<()>;
+    /// A descriptor of `handle` that another process can duplicate, valid while the handle
+    /// lives (owned by the device).
+    fn shared_fd(&self, handle: PhysHandle) -> DeviceResult<i32>;
+    /// Imports descriptor `fd` of process `pid` as a new handle.
+    fn import_from_process(&self, pid: i32, fd: i32) -> DeviceResult<PhysHandle>;
 }
 
+/// The simulated device is one GPU shared by "processes" (allocators) of this process: its
+/// descriptors are tokens, valid in any of them.
 impl PeerAccess for SimDevice {
     fn add_peer(&self, ordinal: i32) -> DeviceResult<()> {
         Err(DeviceError::InvalidArgument(format!(
             "the simulated device has no peers (asked for device {ordinal})"
         )))
+    }
+    fn shared_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
+        self.export_token(handle)
+    }
+    fn import_from_process(&self, _pid: i32, fd: i32) -> DeviceResult<PhysHandle> {
+        self.import_token(fd)
     }
 }
 
@@ -24,6 +39,12 @@ impl PeerAccess for SimDevice {
 impl PeerAccess for gmlake_cuda::CudaDevice {
     fn add_peer(&self, ordinal: i32) -> DeviceResult<()> {
         gmlake_cuda::CudaDevice::add_peer(self, ordinal)
+    }
+    fn shared_fd(&self, handle: PhysHandle) -> DeviceResult<i32> {
+        gmlake_cuda::CudaDevice::shared_fd(self, handle)
+    }
+    fn import_from_process(&self, pid: i32, fd: i32) -> DeviceResult<PhysHandle> {
+        gmlake_cuda::CudaDevice::import_from_process(self, pid, fd)
     }
 }
 
@@ -62,7 +83,15 @@ pub trait Core: Send + Sync {
     fn begin_capture(&self, pool: GraphPoolId);
     fn end_capture(&self, pool: GraphPoolId) -> DeviceResult<()>;
     /// Grants `ordinal` access to memory mapped from now on and to every range mapped now.
-    fn add_peer(&self, ordinal: i32) -> DeviceResult<()>;
+    fn add_peer(&self, ordinal: i32) -> Result<()>;
+    /// The IPC handle (PyTorch's bytes) of the live allocation containing `ptr`, and the
+    /// offset of `ptr` from the address the importer's pointer will have.
+    fn share_ipc(&self, ptr: DevicePtr) -> Result<(Vec<u8>, u64)>;
+    /// Maps a page handle made by `share_ipc` (here or in PyTorch's native allocator) of
+    /// another process; returns the address of the first page.
+    fn open_ipc(&self, handle: &[u8]) -> Result<DevicePtr>;
+    /// Unmaps a range made by `open_ipc`.
+    fn close_ipc(&self, ptr: DevicePtr) -> Result<()>;
 }
 
 impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
@@ -150,19 +179,54 @@ impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
         self.end_allocate_to_pool(pool);
         self.device().end_capture()
     }
-    fn add_peer(&self, ordinal: i32) -> DeviceResult<()> {
-        let dev = self.device();
-        dev.inner().add_peer(ordinal)?;
-        // Ranges mapped before keep their old access list: grant it again on each mapped run
-        // (a snapshot's segments). A run unmapped meanwhile fails; take a fresh snapshot and
-        // retry once before giving up.
-        let regrant = || -> DeviceResult<()> {
-            for seg in Allocator::snapshot(self).segments {
-                dev.set_access(seg.address, seg.total_size as usize)?;
-            }
-            Ok(())
+    fn add_peer(&self, ordinal: i32) -> Result<()> {
+        // New mappings get the longer access list at once; ranges mapped before keep their
+        // old one until granted again, under the allocator's lock.
+        self.device().inner().add_peer(ordinal)?;
+        self.regrant_access()
+    }
+    fn share_ipc(&self, ptr: DevicePtr) -> Result<(Vec<u8>, u64)> {
+        let shared = self.share(ptr)?;
+        let dev = self.device().inner();
+        let fds = shared
+            .handles
+            .iter()
+            .map(|&h| dev.shared_fd(h))
+            .collect::<DeviceResult<Vec<i32>>>()?;
+        let pid = std::process::id() as i32;
+        Ok((
+            ipc::encode_pages(pid, shared.page_size, &fds),
+            shared.offset,
+        ))
+    }
+    fn open_ipc(&self, handle: &[u8]) -> Result<DevicePtr> {
+        let IpcHandle::Pages {
+            pid,
+            page_size,
+            fds,
+        } = ipc::decode(handle)?
+        else {
+            return Err(Error::InvalidIpcHandle(
+                "a cudaMalloc handle is opened with cudaIpcOpenMemHandle, not as pages".into(),
+            ));
         };
-        regrant().or_else(|_| regrant())
+        let dev = self.device().inner();
+        let mut handles = Vec::with_capacity(fds.len());
+        for fd in fds {
+            match dev.import_from_process(pid, fd) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    for h in handles {
+                        let _ = dev.release_physical(h);
+                    }
+                    return Err(e.into());
+                }
+            }
+        }
+        self.import_pages(handles, page_size)
+    }
+    fn close_ipc(&self, ptr: DevicePtr) -> Result<()> {
+        self.close_imported(ptr)
     }
 }
 

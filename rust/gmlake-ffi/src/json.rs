@@ -102,6 +102,9 @@ pub fn stats(s: &DeviceStats, extra: &[(&str, u64)]) -> String {
     o.num("gmlake.retired_bytes", s.retired_bytes);
     o.num("gmlake.pending_frees", s.pending_frees);
     o.num("gmlake.unknown_frees", s.unknown_frees);
+    o.num("gmlake.ipc_shares", s.ipc_shares);
+    o.num("gmlake.ipc_imports", s.ipc_imports);
+    o.num("gmlake.ipc_imported_bytes", s.ipc_imported_bytes);
     o.num("gmlake.driver_calls", s.driver_calls.total());
     for (name, n) in s.driver_calls.as_pairs() {
         o.num(&format!("gmlake.driver_calls.{name}"), n);

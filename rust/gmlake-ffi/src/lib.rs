@@ -101,6 +101,9 @@ pub mod ffi {
         retired_bytes: u64,
         pending_frees: u64,
         unknown_frees: u64,
+        ipc_shares: u64,
+        ipc_imports: u64,
+        ipc_imported_bytes: u64,
         driver_calls_total: u64,
         driver_calls: Vec<NamedCount>,
     }
@@ -173,6 +176,15 @@ pub mod ffi {
         addr: u64,
         size: u64,
         stream: u64,
+    }
+
+    /// An allocation shared for another process: PyTorch's `ShareableHandle`.
+    #[derive(Clone, Debug, Default)]
+    struct IpcShare {
+        /// The bytes to send (PyTorch's layout: version 2, type 'e', pages as descriptors).
+        handle: Vec<u8>,
+        /// Offset of the shared pointer from the start of the range the receiver maps.
+        offset: u64,
     }
 
     #[derive(Clone, Copy, Debug, Default)]
@@ -261,12 +273,22 @@ pub mod ffi {
         fn limit(self: &Gmlake) -> Result<u64>;
         /// Grants device `peer` access to this device's memory, present and future.
         fn add_peer(self: &Gmlake, peer: i32) -> Result<()>;
+
+        /// The type of an IPC handle after checking it: b'c' (a cudaIpcMemHandle_t, opened
+        /// by the caller with cudaIpcOpenMemHandle) or b'e' (pages: `open_ipc`).
+        fn ipc_handle_kind(handle: &[u8]) -> Result<u8>;
+        /// Shares the live allocation containing `ptr` with other processes.
+        fn share_ipc(self: &Gmlake, ptr: u64) -> Result<IpcShare>;
+        /// Maps the pages of a page handle of another process; returns the range's address.
+        fn open_ipc(self: &Gmlake, handle: &[u8]) -> Result<u64>;
+        /// Waits for the device, then unmaps a range made by `open_ipc`.
+        fn close_ipc(self: &Gmlake, ptr: u64) -> Result<()>;
     }
 }
 
 use ffi::{
-    AllocOutcome, AllocationRecord, BlockRecord, CacheInfoRecord, FreeOutcome, KeyValue, MemInfo,
-    NamedCount, SegmentRecord, SnapshotRecord, Stats, TraceRecord,
+    AllocOutcome, AllocationRecord, BlockRecord, CacheInfoRecord, FreeOutcome, IpcShare, KeyValue,
+    MemInfo, NamedCount, SegmentRecord, SnapshotRecord, Stats, TraceRecord,
 };
 
 /// One device's allocator, as C++ holds it.
@@ -417,6 +439,9 @@ fn to_stats(s: &DeviceStats) -> Stats {
         retired_bytes: s.retired_bytes,
         pending_frees: s.pending_frees,
         unknown_frees: s.unknown_frees,
+        ipc_shares: s.ipc_shares,
+        ipc_imports: s.ipc_imports,
+        ipc_imported_bytes: s.ipc_imported_bytes,
         driver_calls_total: s.driver_calls.total(),
         driver_calls: s
             .driver_calls
@@ -822,6 +847,30 @@ impl Gmlake {
     fn add_peer(&self, peer: i32) -> Result<(), String> {
         guard("add_peer", || self.core.add_peer(peer).map_err(core_err))
     }
+
+    fn share_ipc(&self, ptr: u64) -> Result<IpcShare, String> {
+        guard("share_ipc", || {
+            let (handle, offset) = self.core.share_ipc(ptr).map_err(core_err)?;
+            Ok(IpcShare { handle, offset })
+        })
+    }
+
+    fn open_ipc(&self, handle: &[u8]) -> Result<u64, String> {
+        guard("open_ipc", || self.core.open_ipc(handle).map_err(core_err))
+    }
+
+    fn close_ipc(&self, ptr: u64) -> Result<(), String> {
+        guard("close_ipc", || self.core.close_ipc(ptr).map_err(core_err))
+    }
+}
+
+fn ipc_handle_kind(handle: &[u8]) -> Result<u8, String> {
+    guard("ipc_handle_kind", || {
+        match gmlake_core::ipc::decode(handle).map_err(core_err)? {
+            gmlake_core::IpcHandle::CudaMalloc(_) => Ok(gmlake_core::ipc::KIND_CUDA_MALLOC),
+            gmlake_core::IpcHandle::Pages { .. } => Ok(gmlake_core::ipc::KIND_PAGES),
+        }
+    })
 }
 
 #[cfg(test)]

@@ -172,3 +172,52 @@ fn a_freed_pool_block_is_recreated_at_its_address() {
     let e = a.allocate_at(keep.ptr, MIB, MIB, 7, 3, 0).unwrap_err();
     assert!(!e.is_empty());
 }
+
+#[test]
+fn ipc_share_open_close_through_the_bridge() {
+    let a = sim(GIB, "");
+    let pad = a.allocate(MIB, 0);
+    let r = a.allocate(5 * MIB, 0);
+    assert_eq!((pad.status, r.status), (0, 0));
+    let share = a.share_ipc(r.ptr).unwrap();
+    assert_eq!(ipc_handle_kind(&share.handle).unwrap(), b'e');
+    assert_eq!(share.offset, r.ptr % (2 * MIB));
+    // The simulated device is one GPU: opening the handle maps the same pages again.
+    let base = a.open_ipc(&share.handle).unwrap();
+    assert_eq!(base % (2 * MIB), 0);
+    let s = a.stats().unwrap();
+    assert_eq!((s.ipc_shares, s.ipc_imports), (1, 1));
+    assert_eq!(s.ipc_imported_bytes, 6 * MIB);
+    assert!(a
+        .stats_json()
+        .unwrap()
+        .contains("\"gmlake.ipc_imported_bytes\":6291456"));
+    a.close_ipc(base).unwrap();
+    assert!(a
+        .close_ipc(base)
+        .unwrap_err()
+        .contains("not allocated by gmlake"));
+    assert_eq!(a.stats().unwrap().ipc_imports, 0);
+}
+
+#[test]
+fn bad_ipc_handles_are_errors() {
+    let a = sim(GIB, "");
+    assert!(ipc_handle_kind(&[]).unwrap_err().contains("empty"));
+    assert!(ipc_handle_kind(&[2, b'z'])
+        .unwrap_err()
+        .contains("unknown handle type"));
+    let mut c = vec![2u8, b'c'];
+    c.extend([0u8; 64]);
+    assert_eq!(ipc_handle_kind(&c).unwrap(), b'c');
+    assert!(a.open_ipc(&c).unwrap_err().contains("cudaIpcOpenMemHandle"));
+    let e = a
+        .open_ipc(&gmlake_core::ipc::encode_pages(1, 2 * MIB, &[77]))
+        .unwrap_err();
+    assert!(e.contains("77"), "{e}");
+    assert!(a
+        .share_ipc(0xdead000)
+        .unwrap_err()
+        .contains("not allocated by gmlake"));
+    assert_eq!(a.stats().unwrap().ipc_imports, 0);
+}

@@ -1,0 +1,230 @@
+//! Sharing allocations between processes on the simulated device: two allocators over one
+//! device play the exporting and the importing process (two processes on one GPU share its
+//! physical memory). Checks that the importer maps the exporter's very pages (stitched blocks
+//! included), that memory lives until both sides let go whichever frees first, that failed
+//! imports leak nothing, and that access is granted again on every mapped range.
+
+use gmlake_core::ipc::{decode, encode_pages, IpcHandle};
+use gmlake_core::{Allocator, Config, Error, PhysHandle, SimDevice};
+use std::sync::Arc;
+
+const MIB: u64 = 1 << 20;
+const PAGE: u64 = 2 * MIB;
+
+type Alloc = Allocator<Arc<SimDevice>>;
+
+fn two_processes(capacity: u64) -> (Arc<SimDevice>, Alloc, Alloc) {
+    let dev = Arc::new(SimDevice::new(capacity));
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    (dev, a, b)
+}
+
+/// What the exporting process sends: the handle bytes and the offset (as gmlake-ffi does).
+fn send(dev: &SimDevice, a: &Alloc, ptr: u64) -> (Vec<u8>, u64) {
+    let shared = a.share(ptr).unwrap();
+    let fds: Vec<i32> = shared
+        .handles
+        .iter()
+        .map(|&h| dev.export_token(h).unwrap())
+        .collect();
+    (encode_pages(4242, shared.page_size, &fds), shared.offset)
+}
+
+/// What the importing process does with them: decode, import each page, map.
+fn receive(dev: &SimDevice, b: &Alloc, bytes: &[u8]) -> Result<u64, Error> {
+    let IpcHandle::Pages { page_size, fds, .. } = decode(bytes)? else {
+        panic!("not a page handle")
+    };
+    let mut handles = Vec::new();
+    for fd in fds {
+        match dev.import_token(fd) {
+            Ok(h) => handles.push(h),
+            Err(e) => {
+                for h in handles {
+                    use gmlake_core::Device;
+                    dev.release_physical(h).unwrap();
+                }
+                return Err(e.into());
+            }
+        }
+    }
+    b.import_pages(handles, page_size)
+}
+
+/// The physical allocation behind each page of [addr, addr + len).
+fn allocations(dev: &SimDevice, addr: u64, len: u64) -> Vec<u64> {
+    let lo = addr & !(PAGE - 1);
+    (lo..addr + len)
+        .step_by(PAGE as usize)
+        .map(|va| {
+            let (h, _) = dev.translate(va).expect("mapped with access");
+            dev.allocation_of(h).unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn the_importer_maps_the_exporters_pages() {
+    let (dev, a, b) = two_processes(1 << 30);
+    let _pad = a.allocate(MIB, 0).unwrap(); // so the shared block starts mid-page
+    let x = a.allocate(5 * MIB, 0).unwrap();
+    let (bytes, offset) = send(&dev, &a, x);
+    assert_eq!(offset, x % PAGE);
+    let y = receive(&dev, &b, &bytes).unwrap();
+    assert_eq!(y % PAGE, 0);
+    assert_eq!(
+        allocations(&dev, x, 5 * MIB),
+        allocations(&dev, y + offset, 5 * MIB)
+    );
+    let s = b.stats();
+    assert_eq!((s.ipc_imports, s.ipc_imported_bytes), (1, 3 * PAGE));
+    assert_eq!(a.stats().ipc_shares, 1);
+    // Imported memory is not the importer's: nothing reserved or allocated for it.
+    assert_eq!(s.reserved_bytes.aggregate().current, 0);
+    b.close_imported(y).unwrap();
+    assert_eq!(b.stats().ipc_imported_bytes, 0);
+    a.verify().unwrap();
+    b.verify().unwrap();
+}
+
+#[test]
+fn a_stitched_block_is_shared_page_by_page_in_order() {
+    let (dev, a, b) = two_processes(1 << 30);
+    let ptrs: Vec<u64> = (0..10).map(|_| a.allocate(10 * MIB, 0).unwrap()).collect();
+    for p in ptrs.iter().step_by(2) {
+        a.free(*p).unwrap();
+    }
+    let big = a.allocate(40 * MIB, 0).unwrap();
+    assert!(a.stats().stitches >= 1);
+    let (bytes, offset) = send(&dev, &a, big);
+    let y = receive(&dev, &b, &bytes).unwrap();
+    let want = allocations(&dev, big, 40 * MIB);
+    let distinct: std::collections::BTreeSet<_> = want.iter().collect();
+    assert_eq!(distinct.len(), want.len(), "one allocation a page");
+    assert_eq!(allocations(&dev, y + offset, 40 * MIB), want);
+}
+
+#[test]
+fn memory_lives_until_both_sides_let_go_exporter_first() {
+    let (dev, a, b) = two_processes(1 << 30);
+    let x = a.allocate(4 * MIB, 0).unwrap();
+    let (bytes, _) = send(&dev, &a, x);
+    let y = receive(&dev, &b, &bytes).unwrap();
+    let pages = allocations(&dev, y, 4 * MIB);
+    a.free(x).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.aggregate().current, 0);
+    // The exporter gave its pages back; the importer's references keep them.
+    assert_eq!(dev.physical_bytes(), 4 * MIB);
+    assert_eq!(allocations(&dev, y, 4 * MIB), pages);
+    // Another allocation of the exporter gets other memory.
+    let z = a.allocate(4 * MIB, 0).unwrap();
+    assert!(allocations(&dev, z, 4 * MIB)
+        .iter()
+        .all(|p| !pages.contains(p)));
+    // Tokens of released pages cannot be imported any more.
+    assert!(receive(&dev, &b, &bytes).is_err());
+    b.close_imported(y).unwrap();
+    a.free(z).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+    assert_eq!(dev.live_mappings(), 0);
+}
+
+#[test]
+fn memory_lives_until_both_sides_let_go_importer_first() {
+    let (dev, a, b) = two_processes(1 << 30);
+    let x = a.allocate(4 * MIB, 0).unwrap();
+    let (bytes, _) = send(&dev, &a, x);
+    let y = receive(&dev, &b, &bytes).unwrap();
+    b.close_imported(y).unwrap();
+    assert_eq!(dev.physical_bytes(), 4 * MIB);
+    assert!(
+        dev.translate(x).is_some(),
+        "the exporter's block is untouched"
+    );
+    assert_eq!(b.close_imported(y), Err(Error::UnknownPointer(y)));
+    // The same handle can be opened again while the exporter holds the block.
+    let y2 = receive(&dev, &b, &bytes).unwrap();
+    b.close_imported(y2).unwrap();
+    a.free(x).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+    assert_eq!(dev.live_handles(), 0);
+    assert_eq!(dev.live_reservations(), 0);
+}
+
+#[test]
+fn failed_imports_leak_nothing() {
+    let (dev, a, b) = two_processes(1 << 30);
+    let x = a.allocate(4 * MIB, 0).unwrap();
+    let shared = a.share(x).unwrap();
+    let before = (
+        dev.live_handles(),
+        dev.live_mappings(),
+        dev.live_reservations(),
+    );
+    // A page size the pages do not have: map fails half way; all is undone and released.
+    let imported: Vec<PhysHandle> = shared
+        .handles
+        .iter()
+        .map(|&h| dev.import_token(dev.export_token(h).unwrap()).unwrap())
+        .collect();
+    assert!(b.import_pages(imported, 2 * PAGE).is_err());
+    assert_eq!(
+        (
+            dev.live_handles(),
+            dev.live_mappings(),
+            dev.live_reservations()
+        ),
+        before
+    );
+    // An unknown descriptor.
+    let bad = encode_pages(1, PAGE, &[999]);
+    assert!(receive(&dev, &b, &bad).is_err());
+    // Sharing what gmlake did not allocate, or a freed block.
+    assert_eq!(a.share(0x1234), Err(Error::UnknownPointer(0x1234)));
+    a.free(x).unwrap();
+    assert!(matches!(a.share(x), Err(Error::UnknownPointer(_))));
+    assert_eq!(b.stats().ipc_imports, 0);
+}
+
+#[test]
+fn an_interior_pointer_shares_its_whole_block() {
+    let (dev, a, b) = two_processes(1 << 30);
+    let x = a.allocate(6 * MIB, 0).unwrap();
+    let inner = x + 3 * MIB + 512;
+    let shared = a.share(inner).unwrap();
+    assert_eq!(shared.base, x & !(PAGE - 1));
+    assert_eq!(shared.offset, inner - shared.base);
+    assert_eq!(shared.handles.len(), 3);
+    let (bytes, off) = send(&dev, &a, inner);
+    let y = receive(&dev, &b, &bytes).unwrap();
+    assert_eq!(
+        allocations(&dev, y + off, 1)[0],
+        allocations(&dev, inner, 1)[0]
+    );
+}
+
+#[test]
+fn regranting_access_covers_blocks_retired_ranges_and_imports() {
+    // Asynchronous device: retired ranges stay mapped until their event completes.
+    let dev = Arc::new(SimDevice::new(1 << 30).asynchronous());
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let ptrs: Vec<u64> = (0..10).map(|_| a.allocate(10 * MIB, 0).unwrap()).collect();
+    for p in ptrs.iter().step_by(2) {
+        a.free(*p).unwrap();
+    }
+    let _big = a.allocate(40 * MIB, 0).unwrap();
+    assert!(a.stats().retired_bytes > 0, "{:?}", a.stats());
+    let (bytes, _) = send(&dev, &a, ptrs[1]);
+    let _y = receive(&dev, &b, &bytes).unwrap();
+    // The simulated device checks that each range is exactly covered by mappings.
+    let calls = dev.calls().set_access;
+    a.regrant_access().unwrap();
+    b.regrant_access().unwrap();
+    assert!(dev.calls().set_access >= calls + 3);
+    a.verify().unwrap();
+}

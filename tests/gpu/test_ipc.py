@@ -1,0 +1,174 @@
+"""CUDA IPC through torch.multiprocessing: tensors (stitched ones included) sent to another
+process, modified there and seen by the sender; interoperation with PyTorch's native
+allocator in either direction; the receiver's memory outliving the sender."""
+
+from textwrap import dedent
+
+import pytest
+
+from harness import run_python, write_out
+from test_memory import PATTERN_HELPERS
+
+# Builds a stitched tensor: 8 MiB blocks, every other one freed, then one larger tensor that
+# takes their pages. Returns (tensor, keep-alive list, stitches it took).
+STITCH_HELPERS = """
+def stitched(n_bytes, device="cuda"):
+    keep, tmp = [], []
+    s0 = gmlake.stats(device)["gmlake.stitches"] if gmlake.is_enabled() else 0
+    for i in range(16):
+        tmp.append(torch.empty(8 * MiB, dtype=torch.uint8, device=device))
+    keep = tmp[1::2]
+    del tmp
+    t = torch.empty(n_bytes, dtype=torch.uint8, device=device)
+    s1 = gmlake.stats(device)["gmlake.stitches"] if gmlake.is_enabled() else 0
+    return t, keep, s1 - s0
+"""
+
+CHILD = """
+def child(q_in, q_out):
+    import torch
+    try:
+        items = q_in.get()
+        out = {"allocator": torch.cuda.get_allocator_backend(), "ok": []}
+        for name, t, seed in items:
+            out["ok"].append([name, check(t, seed), t.device.index])
+            t.add_(1)                      # modified here, seen by the sender
+        torch.cuda.synchronize()
+        if gmlake.is_enabled():
+            st = gmlake.stats()
+            out["imports"] = st["gmlake.ipc_imports"]
+            out["imported_bytes"] = st["gmlake.ipc_imported_bytes"]
+        q_out.put(out)
+        q_in.get()                         # wait until the sender has checked
+        del items, t
+    except Exception as e:                 # report, do not hang the sender
+        import traceback
+        q_out.put({"error": traceback.format_exc()})
+"""
+
+PARENT = """
+def run_parent(child_allocator):
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    devices = list(range(min(torch.cuda.device_count(), 2)))
+    items, keep = [], []
+    stitches = 0
+    for d in devices:
+        dev = f"cuda:{d}"
+        with torch.cuda.device(d):
+            big, k, s = stitched(40 * MiB + 4096, dev)
+            keep += k
+            stitches += s
+            small = torch.empty(3 * MiB + 512, dtype=torch.uint8, device=dev)   # mid-page
+            base = torch.empty(6 * MiB, dtype=torch.uint8, device=dev)
+            view = base[MiB + 100: 5 * MiB]                                     # a view
+        for name, t in (("stitched", big), ("small", small), ("view", view)):
+            seed = len(items) + 1
+            fill(t, seed)
+            items.append((f"{name}@{d}", t, seed))
+    torch.cuda.synchronize()
+    os.environ["GMLAKE_TEST_ALLOCATOR"] = child_allocator
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=child, args=(q_in, q_out))
+    p.start()
+    q_in.put(items)
+    got = q_out.get(timeout=240)
+    if "error" in got:
+        q_in.put("done"); p.join(60)
+        raise RuntimeError("child failed:\\n" + got["error"])
+    torch.cuda.synchronize()
+    seen = {}
+    for name, t, seed in items:
+        # The child added 1 to every byte: the sender sees it.
+        seen[name] = bool(torch.equal(t, pattern(t.numel(), seed) + 1))
+    q_in.put("done")
+    p.join(120)
+    del items
+    return dict(child=got, seen=seen, stitches=stitches, exitcode=p.exitcode,
+                parent_allocator=torch.cuda.get_allocator_backend())
+"""
+
+
+def _check(res, parent, child):
+    assert res["exitcode"] == 0, res
+    assert res["parent_allocator"] == parent, res
+    got = res["child"]
+    assert got["allocator"] == child, got
+    assert got["ok"] and all(ok for _, ok, _ in got["ok"]), f"child read wrong data: {got}"
+    assert all(res["seen"].values()), f"sender did not see the child's writes: {res['seen']}"
+
+
+def test_multiprocessing_round_trip_gmlake_both_sides():
+    r = run_python(
+        "ipc_gmlake_both",
+        PATTERN_HELPERS + STITCH_HELPERS + CHILD + PARENT + dedent("""
+        if __name__ == "__main__":
+            res = run_parent("gmlake")
+            result(**res)
+        """),
+        timeout=400,
+    )
+    res = r.result
+    _check(res, "gmlake", "gmlake")
+    assert res["stitches"] >= 1, "the shared big tensor must be stitched"
+    # One import per distinct block (the view shares its base's block).
+    n_dev = len({d for _, _, d in res["child"]["ok"]})
+    assert res["child"]["imports"] >= 1 and res["child"]["imported_bytes"] > 0, res["child"]
+    write_out("ipc.json", {"gmlake_both": res, "devices": n_dev})
+
+
+@pytest.mark.parametrize("parent,child", [("gmlake", "native"), ("native", "gmlake")])
+def test_multiprocessing_interoperates_with_the_native_allocator(parent, child):
+    r = run_python(
+        f"ipc_{parent}_to_{child}",
+        PATTERN_HELPERS + STITCH_HELPERS + CHILD + PARENT + dedent(f"""
+        if __name__ == "__main__":
+            res = run_parent({child!r})
+            result(**res)
+        """),
+        allocator=parent,
+        timeout=400,
+    )
+    _check(r.result, parent if parent == "gmlake" else "native", child if child == "gmlake" else "native")
+
+
+def test_received_memory_outlives_the_sender():
+    """The sender exits while the receiver still holds the tensor: gmlake's imported pages
+    keep the memory (cudaMalloc'd IPC memory of an exited process is gone)."""
+    r = run_python(
+        "ipc_sender_exits",
+        PATTERN_HELPERS + STITCH_HELPERS + dedent("""
+        def sender(q, done):
+            big, keep, s = stitched(24 * MiB + 4096)
+            fill(big, 77)
+            torch.cuda.synchronize()
+            q.put((big, s))
+            done.wait(120)                 # until the receiver has opened it
+            # Exit with the tensor still shared (torch warns that the producer ended first).
+
+        if __name__ == "__main__":
+            import torch.multiprocessing as mp
+            ctx = mp.get_context("spawn")
+            q, done = ctx.Queue(), ctx.Event()
+            p = ctx.Process(target=sender, args=(q, done))
+            p.start()
+            t, s = q.get(timeout=240)
+            opened = gmlake.stats()["gmlake.ipc_imports"]
+            done.set()
+            p.join(120)
+            # The sender is gone: read, write and read again.
+            ok_read = check(t, 77)
+            t.add_(3)
+            ok_write = bool(torch.equal(t, pattern(t.numel(), 77) + 3))
+            del t
+            torch.cuda.synchronize()
+            closed = gmlake.stats()["gmlake.ipc_imports"]
+            result(stitches=s, opened=opened, closed=closed, exitcode=p.exitcode,
+                   ok_read=ok_read, ok_write=ok_write)
+        """),
+        timeout=400,
+    )
+    res = r.result
+    assert res["stitches"] >= 1 and res["opened"] == 1, res
+    assert res["ok_read"] and res["ok_write"], res
+    assert res["closed"] == 0, f"the imported range was not closed: {res}"
