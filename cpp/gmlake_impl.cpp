@@ -709,7 +709,7 @@ std::string Impl::stats_json(int device) {
   state(device);
   const ffi::Gmlake* c = core_if_created(device);
   if (c == nullptr) {
-    return "{}";
+    return std::string(ffi::empty_stats_json());
   }
   try {
     return std::string(c->stats_json());

@@ -130,7 +130,7 @@ rows = json.load(open(sys.argv[1]))
 name = os.path.basename(sys.argv[1])[5:-5]
 for r in rows:
     print(f"{name} rank {r['rank']}: {r['equal_losses']}/{r['steps']} losses equal to native "
-          f"(max diff {r['max_loss_diff']:.3g}); utilization native {r['native_util']:.3f} gmlake "
+          f"(max diff {r['max_loss_diff']:.3g}, native vs native {r.get('native_control_diff', float('nan')):.3g}); utilization native {r['native_util']:.3f} gmlake "
           f"{r['gmlake_util']:.3f}; peak reserved {r['native_peak_reserved']/2**30:.2f} / "
           f"{r['gmlake_peak_reserved']/2**30:.2f} GiB; step {r['native_step_ms']:.1f} / {r['gmlake_step_ms']:.1f} ms")
 EOF

@@ -99,10 +99,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s <libgmlake_torch.so>\n", argv[0]);
     return 2;
   }
+  std::setvbuf(stdout, nullptr, _IONBF, 0);
   int n_dev = 0;
   if (cudaGetDeviceCount(&n_dev) != cudaSuccess || n_dev < 2) {
     std::printf("SKIP: %d GPU(s), need 2\n", n_dev);
     return 77;
+  }
+  // torch_cuda registers c10's CUDA hooks (e.g. hasPrimaryContext, used by CUDAGuard), as in
+  // every PyTorch process; without it c10 refuses device switches.
+  if (dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+    std::printf("note: libtorch_cuda.so not loaded (%s)\n", dlerror());
   }
   void* h = dlopen(argv[1], RTLD_NOW | RTLD_GLOBAL);
   if (h == nullptr) {
@@ -128,12 +134,14 @@ int main(int argc, char** argv) {
   fill(src0, a, 0);
   fill(src1, b, 1);
 
+  std::printf("blocks ready\n");
   // 1. No peer access anywhere: memcpyAsync(p2p_enabled=false) takes cudaMemcpyPeerAsync.
   copy(dst1, 1, src0, 0, n, false);
   CHECK(equal(dst1, a, 1), "0 -> 1 without peer access");
   copy(dst0, 0, src1, 1, n, false);
   CHECK(equal(dst0, b, 0), "1 -> 0 without peer access");
 
+  std::printf("copies without peer access done\n");
   int can01 = 0, can10 = 0;
   CUDA_OK(cudaDeviceCanAccessPeer(&can01, 0, 1));
   CUDA_OK(cudaDeviceCanAccessPeer(&can10, 1, 0));
@@ -144,6 +152,7 @@ int main(int argc, char** argv) {
     // grant get access again; blocks mapped after get it at once.
     alloc::get()->enablePeerAccess(0, 1);
     alloc::get()->enablePeerAccess(1, 0);
+    std::printf("peer access enabled\n");
     auto late1 = block(1, n, true, keep);
     auto late0 = block(0, n, false, keep);
     fill(dst1, b, 1);
@@ -158,6 +167,7 @@ int main(int argc, char** argv) {
     CUDA_OK(cudaMemcpy(dst1.get(), src0.get(), n, cudaMemcpyDeviceToDevice));
     CHECK(equal(dst1, a, 1), "direct device-to-device copy issued on device 1");
   }
+  std::printf("copies done, %d failure(s)\n", failures);
   keep.clear();
   src0.clear();
   dst1.clear();

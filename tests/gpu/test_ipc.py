@@ -80,7 +80,7 @@ def run_parent(child_allocator):
     seen = {}
     for name, t, seed in items:
         # The child added 1 to every byte: the sender sees it.
-        seen[name] = bool(torch.equal(t, pattern(t.numel(), seed) + 1))
+        seen[name] = bool(torch.equal(t, pattern(t.numel(), seed, t.device) + 1))
     q_in.put("done")
     p.join(120)
     del items
@@ -159,7 +159,7 @@ def test_received_memory_outlives_the_sender():
             # The sender is gone: read, write and read again.
             ok_read = check(t, 77)
             t.add_(3)
-            ok_write = bool(torch.equal(t, pattern(t.numel(), 77) + 3))
+            ok_write = bool(torch.equal(t, pattern(t.numel(), 77, t.device) + 3))
             del t
             torch.cuda.synchronize()
             closed = gmlake.stats()["gmlake.ipc_imports"]

@@ -8,20 +8,21 @@ from harness import run_python, write_out
 # Writes a distinct pattern into every tensor, then checks them all (an overlap between live
 # blocks, or a page mapped at the wrong place, shows as a mismatch).
 PATTERN_HELPERS = """
-def pattern(n, seed):
+def pattern(n, seed, device="cuda"):
     # Random bytes repeated with a period that divides no page size: a page mapped at the
-    # wrong place, or bytes of another tensor, do not match.
-    g = torch.Generator(device="cuda")
+    # wrong place, or bytes of another tensor, do not match. Drawn on the CPU, so the same
+    # seed gives the same bytes on every device.
+    g = torch.Generator()
     g.manual_seed(seed)
     period = 65537 + (seed % 1000) * 26
-    base = torch.randint(0, 256, (period,), generator=g, device="cuda", dtype=torch.uint8)
+    base = torch.randint(0, 256, (period,), generator=g, dtype=torch.uint8).to(device)
     return base.repeat(-(-n // period))[:n]
 
 def fill(t, seed):
-    t.copy_(pattern(t.numel(), seed))
+    t.copy_(pattern(t.numel(), seed, t.device))
 
 def check(t, seed):
-    return bool(torch.equal(t, pattern(t.numel(), seed)))
+    return bool(torch.equal(t, pattern(t.numel(), seed, t.device)))
 """
 
 

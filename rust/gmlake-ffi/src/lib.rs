@@ -213,6 +213,9 @@ pub mod ffi {
         fn check_conf(conf: &str) -> Result<Vec<KeyValue>>;
         /// Whether this staticlib was built with the CUDA backend.
         fn has_cuda_backend() -> bool;
+        /// The statistics JSON of a device whose allocator was never created (all zero), so
+        /// readers find every key before the first allocation.
+        fn empty_stats_json() -> String;
 
         /// "cuda" or "simulated".
         fn backend_name(self: &Gmlake) -> String;
@@ -862,6 +865,10 @@ impl Gmlake {
     fn close_ipc(&self, ptr: u64) -> Result<(), String> {
         guard("close_ipc", || self.core.close_ipc(ptr).map_err(core_err))
     }
+}
+
+fn empty_stats_json() -> String {
+    json::stats(&DeviceStats::default(), &[])
 }
 
 fn ipc_handle_kind(handle: &[u8]) -> Result<u8, String> {

@@ -6,8 +6,10 @@ every step, the median step time, peak allocated / reserved bytes and their rati
     torchrun --nproc-per-node 2 [-m gmlake] dist_train.py ddp|fsdp <out dir>
 
 The allocator is whatever the process has: gmlake when started through `-m gmlake`.
-Deterministic: fixed seeds, deterministic algorithms, no TF32; data drawn from (seed, step,
-rank) only.
+Deterministic: fixed seeds, deterministic algorithms, no TF32, attention through SDPA's math
+backend (cuDNN's and flash attention's backward passes are not deterministic); data drawn from
+(seed, step, rank) only. Two runs with the same allocator give the same losses, so a run
+under another allocator must too.
 """
 
 import json
@@ -22,12 +24,14 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 MODE, OUT = sys.argv[1], sys.argv[2]
-STEPS = int(os.environ.get("GMLAKE_DIST_STEPS", "300"))
+STEPS = int(os.environ.get("GMLAKE_DIST_STEPS", "200"))
+RUN = os.environ.get("GMLAKE_DIST_RUN", "")  # tells repeated runs of one allocator apart
 WARMUP = 10
-VOCAB, HIDDEN, LAYERS, HEADS, FFN = 32000, 1024, 8, 16, 4096
+VOCAB, HIDDEN, LAYERS, HEADS, FFN = 16384, 768, 6, 12, 3072
 BATCH, MIN_LEN, MAX_LEN = 8, 128, 1024
 
 rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -53,7 +57,8 @@ class Block(torch.nn.Module):
     def _forward(self, x):
         b, n, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, HEADS, HIDDEN // HEADS).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        with sdpa_kernel(SDPBackend.MATH):
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, n, HIDDEN))
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
@@ -105,7 +110,7 @@ for step in range(STEPS):
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     times.append(time.perf_counter() - t0)
-    losses.append(float(loss))
+    losses.append(float(loss.detach()))
 
 dist.barrier()
 peak_alloc = torch.cuda.max_memory_allocated(device)
@@ -127,7 +132,7 @@ res = dict(
     nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), **extra,
 )
 os.makedirs(OUT, exist_ok=True)
-with open(os.path.join(OUT, f"{MODE}-{backend}-rank{rank}.json"), "w") as f:
+with open(os.path.join(OUT, f"{MODE}-{backend}{RUN}-rank{rank}.json"), "w") as f:
     json.dump(res, f)
 print(f"rank {rank} {MODE} {backend}: loss {losses[-1]:.4f} step {res['median_step_ms']:.1f} ms "
       f"util {res['utilization']:.3f}", flush=True)
