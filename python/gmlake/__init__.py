@@ -215,6 +215,7 @@ def stats(device=None) -> Dict[str, Any]:
     """``torch.cuda.memory_stats(device)`` plus gmlake's own counters under ``gmlake.``:
     ``gmlake.stitches``, ``gmlake.pages_stitched``, ``gmlake.cached_bytes``,
     ``gmlake.retired_bytes``, ``gmlake.pending_frees``, ``gmlake.unknown_frees``,
+    ``gmlake.ipc_shares``, ``gmlake.ipc_imports``, ``gmlake.ipc_imported_bytes``,
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>``,
     ``gmlake.device_total``, ``gmlake.page_size``. (No device free memory: reading it can
     wait for the GPU; use ``torch.cuda.mem_get_info()``.)
