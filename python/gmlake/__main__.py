@@ -11,11 +11,13 @@ import os
 import runpy
 import sys
 
-USAGE = """usage: python -m gmlake [--conf KEY:VALUE,...] [--quiet] script.py [args...]
-       python -m gmlake [--conf KEY:VALUE,...] [--quiet] -m module [args...]
+USAGE = """usage: python -m gmlake [--conf KEY:VALUE,...] [--quiet] [--no-children] script.py [args...]
+       python -m gmlake [--conf KEY:VALUE,...] [--quiet] [--no-children] -m module [args...]
        python -m gmlake --check [--conf KEY:VALUE,...]
 
-Installs the gmlake allocator into PyTorch, then runs the program unchanged.
+Installs the gmlake allocator into PyTorch, then runs the program unchanged. Python processes
+the program starts (torch.multiprocessing / DataLoader workers, subprocesses) install it too
+when they import torch, unless --no-children.
 Configuration: GMLake's variables (vmmDefragment, fragLimit, reuseLimit, defragLevel, autoGC),
 GMLAKE_CONF=key:value,..., then --conf. The library is GMLAKE_LIBRARY or found next to the
 package / in the build folders (see gmlake.library_path()).
@@ -27,6 +29,7 @@ def main(argv=None) -> int:
     conf = ""
     quiet = False
     check = False
+    children = True
     while argv and argv[0].startswith("-") and argv[0] != "-m":
         opt = argv.pop(0)
         if opt in ("-h", "--help"):
@@ -43,6 +46,8 @@ def main(argv=None) -> int:
             quiet = True
         elif opt == "--check":
             check = True
+        elif opt == "--no-children":
+            children = False
         elif opt == "--":
             break
         else:
@@ -71,6 +76,11 @@ def main(argv=None) -> int:
         return 1
     if not quiet and os.environ.get("GMLAKE_QUIET", "") in ("", "0"):
         print(f"[gmlake] allocator installed ({gmlake.library_path()})", file=sys.stderr)
+    if children:
+        from gmlake._autoenable import environment_for_children
+
+        os.environ.update(environment_for_children(conf))
+        os.environ.setdefault("GMLAKE_LIBRARY", gmlake.library_path())
 
     if argv[0] == "-m":
         if len(argv) < 2:

@@ -66,3 +66,54 @@ def test_launcher_reports_a_missing_library(tmp_path):
     assert r.returncode == 1
     assert "libgmlake_torch.so not found" in r.stderr
     assert "ran" not in r.stdout
+
+
+def test_children_environment_puts_the_autostart_folder_first():
+    from gmlake._autoenable import AUTOSTART_DIR, PACKAGE_PARENT, environment_for_children
+
+    env = environment_for_children("fragLimit:2MiB", {"PYTHONPATH": "/a" + os.pathsep + "/b"})
+    assert env["GMLAKE_AUTO_ENABLE"] == "fragLimit:2MiB"
+    assert env["PYTHONPATH"].split(os.pathsep) == [AUTOSTART_DIR, PACKAGE_PARENT, "/a", "/b"]
+    again = environment_for_children("", {"PYTHONPATH": env["PYTHONPATH"]})
+    assert again["PYTHONPATH"] == env["PYTHONPATH"], "no duplicates when nested"
+
+
+def _child(tmp_path, code, with_env=True):
+    from gmlake._autoenable import environment_for_children
+
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True, exist_ok=True)
+    (fake / "torch" / "__init__.py").write_text("print('fake torch imported')\n")
+    other = tmp_path / "other"
+    other.mkdir(exist_ok=True)
+    (other / "sitecustomize.py").write_text("print('other sitecustomize ran')\n")
+    env = dict(os.environ)
+    env.pop("GMLAKE_AUTO_ENABLE", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(fake), str(other)])
+    env["GMLAKE_LIBRARY"] = str(tmp_path / "missing" / "libgmlake_torch.so")
+    if with_env:
+        env.update(environment_for_children("fragLimit:2MiB", env))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_children_install_gmlake_when_they_import_torch(tmp_path):
+    # The fake torch has no CUDA and the library is missing: the install is attempted right
+    # after `import torch` and fails with a message; the process goes on.
+    r = _child(tmp_path, "import torch; print('after import')")
+    assert r.returncode == 0, r.stderr
+    assert "fake torch imported" in r.stdout and "after import" in r.stdout
+    assert "other sitecustomize ran" in r.stdout, "another sitecustomize must still run"
+    assert "gmlake: not installed in process" in r.stderr and "missing" in r.stderr, r.stderr
+    # A child that never imports torch is left alone.
+    r = _child(tmp_path, "print('no torch')")
+    assert r.returncode == 0 and "not installed" not in r.stderr and "fake torch" not in r.stdout
+    # Without the environment nothing is attempted.
+    r = _child(tmp_path, "import torch", with_env=False)
+    assert r.returncode == 0 and "gmlake" not in r.stderr
+
+
+def test_launcher_no_children_flag_is_accepted(capsys):
+    assert main(["--no-children"]) == 2  # no script: the usage
+    assert "unknown option" not in capsys.readouterr().err
+    assert main(["--no-such-flag"]) == 2
+    assert "unknown option" in capsys.readouterr().err

@@ -83,8 +83,10 @@ def run_parent(child_allocator):
         seen[name] = bool(torch.equal(t, pattern(t.numel(), seed, t.device) + 1))
     q_in.put("done")
     p.join(120)
+    # The receiver closed its mappings (and exited) first: the sender's blocks are intact.
+    intact = all(bool(torch.equal(t, pattern(t.numel(), seed, t.device) + 1)) for _, t, seed in items)
     del items
-    return dict(child=got, seen=seen, stitches=stitches, exitcode=p.exitcode,
+    return dict(child=got, seen=seen, stitches=stitches, exitcode=p.exitcode, intact=intact,
                 parent_allocator=torch.cuda.get_allocator_backend())
 """
 
@@ -96,6 +98,7 @@ def _check(res, parent, child):
     assert got["allocator"] == child, got
     assert got["ok"] and all(ok for _, ok, _ in got["ok"]), f"child read wrong data: {got}"
     assert all(res["seen"].values()), f"sender did not see the child's writes: {res['seen']}"
+    assert res["intact"], "the sender's tensors changed after the receiver closed them"
 
 
 def test_multiprocessing_round_trip_gmlake_both_sides():
@@ -172,3 +175,45 @@ def test_received_memory_outlives_the_sender():
     assert res["stitches"] >= 1 and res["opened"] == 1, res
     assert res["ok_read"] and res["ok_write"], res
     assert res["closed"] == 0, f"the imported range was not closed: {res}"
+
+
+def test_launcher_installs_gmlake_in_spawned_children():
+    """`python -m gmlake script.py`: a torch.multiprocessing child that never calls
+    gmlake.enable() gets gmlake too (it imports torch, the launcher's hook installs it)."""
+    r = run_python(
+        "launcher_children",
+        dedent("""
+        import sys, torch
+        import torch.multiprocessing as mp
+
+        def child(q_in, q_out):
+            t = q_in.get()
+            ok = bool(torch.equal(t, torch.full_like(t, 7)))
+            t.add_(1)
+            torch.cuda.synchronize()
+            q_out.put((torch.cuda.get_allocator_backend(), ok))
+            q_in.get()
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            t = torch.full((5 << 20,), 7, dtype=torch.uint8, device="cuda")
+            q_in, q_out = ctx.Queue(), ctx.Queue()
+            p = ctx.Process(target=child, args=(q_in, q_out))
+            p.start()
+            q_in.put(t)
+            backend, ok = q_out.get(timeout=240)
+            torch.cuda.synchronize()
+            seen = bool(torch.equal(t, torch.full_like(t, 8)))
+            q_in.put("done")
+            p.join(120)
+            import json
+            print("GMLAKE_RESULT " + json.dumps(dict(parent=torch.cuda.get_allocator_backend(),
+                  child=backend, ok=ok, seen=seen, exitcode=p.exitcode)), flush=True)
+        """),
+        prelude=False,
+        python_args=["-m", "gmlake", "--quiet"],
+        timeout=300,
+    )
+    res = r.result
+    assert res["parent"] == "gmlake" and res["child"] == "gmlake", res
+    assert res["ok"] and res["seen"] and res["exitcode"] == 0, res
