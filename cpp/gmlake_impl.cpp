@@ -1137,6 +1137,15 @@ std::shared_ptr<void> Impl::ipc_cached(
   return sp;
 }
 
+void Impl::ipc_forget(const std::string& key) {
+  std::lock_guard<std::mutex> g(ipc_mu_);
+  auto it = ipc_open_.find(key);
+  // A new opening of the same handle may have replaced the entry meanwhile: keep that one.
+  if (it != ipc_open_.end() && it->second.expired()) {
+    ipc_open_.erase(it);
+  }
+}
+
 std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
   const rust::Slice<const uint8_t> bytes(
       reinterpret_cast<const uint8_t*>(handle.data()), handle.size());
@@ -1160,13 +1169,7 @@ std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
       TORCH_CHECK(false, "gmlake: getIpcDevPtr on device ", d, ": ", e.what());
     }
     return std::shared_ptr<void>(reinterpret_cast<void*>(base), [this, d, handle](void* p) {
-      {
-        std::lock_guard<std::mutex> g(ipc_mu_);
-        auto it = ipc_open_.find(handle);
-        if (it != ipc_open_.end() && it->second.expired()) {
-          ipc_open_.erase(it);
-        }
-      }
+      ipc_forget(handle);
       try {
         core(d).close_ipc(reinterpret_cast<uint64_t>(p));
       } catch (const std::exception& e) {
@@ -1190,13 +1193,7 @@ std::shared_ptr<void> Impl::open_cuda_ipc_handle(const std::string& raw) {
     void* p = nullptr;
     C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
     return std::shared_ptr<void>(p, [this, device, key](void* q) {
-      {
-        std::lock_guard<std::mutex> g(ipc_mu_);
-        auto it = ipc_open_.find(key);
-        if (it != ipc_open_.end() && it->second.expired()) {
-          ipc_open_.erase(it);
-        }
-      }
+      ipc_forget(key);
       c10::cuda::CUDAGuard guard(device);
       cudaError_t err = cudaIpcCloseMemHandle(q);
       if (err != cudaSuccess) {

@@ -293,6 +293,8 @@ class Impl {
   std::map<std::string, std::weak_ptr<void>> ipc_open_;
   std::shared_ptr<void> ipc_cached(const std::string& key,
                                    const std::function<std::shared_ptr<void>()>& open);
+  // Called by a pointer's deleter: drops the entry of `key` unless it was opened again.
+  void ipc_forget(const std::string& key);
 };
 
 } // namespace gmlake

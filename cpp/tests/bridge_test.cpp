@@ -11,17 +11,7 @@
 
 namespace ffi = gmlake::ffi;
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                  \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                  \
-      std::fprintf(stderr, "\n");                                         \
-      ++failures;                                                         \
-    }                                                                     \
-  } while (0)
+#include "check.h"
 
 static constexpr uint64_t MiB = 1ull << 20;
 

@@ -17,17 +17,7 @@
 #include <string>
 #include <vector>
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                  \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                  \
-      std::fprintf(stderr, "\n");                                         \
-      ++failures;                                                         \
-    }                                                                     \
-  } while (0)
+#include "check.h"
 
 using install_fn = int (*)(const char*);
 using install_checked_fn = int (*)(const char*, const char*, int);

@@ -21,17 +21,7 @@
 
 namespace alloc = c10::cuda::CUDACachingAllocator;
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                  \
-  do {                                                                    \
-    if (!(cond)) {                                                        \
-      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      std::fprintf(stderr, __VA_ARGS__);                                  \
-      std::fprintf(stderr, "\n");                                         \
-      ++failures;                                                         \
-    }                                                                     \
-  } while (0)
+#include "check.h"
 
 #define CUDA_OK(call)                                                                   \
   do {                                                                                  \

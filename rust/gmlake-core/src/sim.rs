@@ -160,16 +160,7 @@ impl SimDevice {
             let h = &st.handles[&from];
             (h.size, h.alloc)
         };
-        let id = st.next_handle;
-        st.next_handle += 1;
-        st.handles.insert(
-            id,
-            Handle {
-                size,
-                mappings: 0,
-                alloc,
-            },
-        );
+        let id = st.new_handle(size, Some(alloc));
         *st.alloc_refs
             .get_mut(&alloc)
             .expect("allocation of a live handle") += 1;
@@ -200,6 +191,23 @@ impl SimDevice {
 }
 
 impl SimState {
+    /// A new handle of `size` bytes to allocation `alloc` (None: a new allocation, whose id
+    /// is the handle's).
+    fn new_handle(&mut self, size: u64, alloc: Option<u64>) -> u64 {
+        let id = self.next_handle;
+        self.next_handle += 1;
+        let alloc = alloc.unwrap_or(id);
+        self.handles.insert(
+            id,
+            Handle {
+                size,
+                mappings: 0,
+                alloc,
+            },
+        );
+        id
+    }
+
     fn reservation_containing(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
         let (&s, &len) = self.reservations.range(..=addr).next_back()?;
         (addr + size <= s + len).then_some((s, len))
@@ -230,16 +238,7 @@ impl Device for SimDevice {
         if st.physical_bytes + size > self.capacity {
             return Err(DeviceError::OutOfMemory);
         }
-        let id = st.next_handle;
-        st.next_handle += 1;
-        st.handles.insert(
-            id,
-            Handle {
-                size,
-                mappings: 0,
-                alloc: id,
-            },
-        );
+        let id = st.new_handle(size, None);
         st.alloc_refs.insert(id, 1);
         st.physical_bytes += size;
         Ok(PhysHandle(id))
