@@ -5,7 +5,8 @@
 // types that are stable across torch 2.x; this header holds, per supported version:
 //   - gmlake::GmlakeAllocator: the subclass of the version's CUDAAllocator, each method a
 //     forward to Impl (the vtable changes in almost every minor release, and nothing catches a
-//     mismatch at link time: build one library per minor version);
+//     mismatch at link time: build one library per minor version). The forwards every 2.x
+//     shares live in compat/allocator_base.h; each version's class adds the rest;
 //   - converters to the version's DeviceStats, SnapshotInfo and TraceEntry;
 //   - the install step (allocator store, c10::SetAllocator on 2.9+), GPU trace hooks.
 //
@@ -40,6 +41,10 @@
 
 #define GMLAKE_TORCH_VERSION_NUM (TORCH_VERSION_MAJOR * 100 + TORCH_VERSION_MINOR)
 
+#if GMLAKE_TORCH_VERSION_NUM >= 200
+#include "compat/allocator_base.h"
+#endif
+
 // The C++ ABI the library is built with (must equal torch._C._GLIBCXX_USE_CXX11_ABI).
 #if defined(_GLIBCXX_USE_CXX11_ABI)
 #define GMLAKE_CXX11_ABI _GLIBCXX_USE_CXX11_ABI
@@ -73,24 +78,6 @@ namespace compat {
 
 namespace cca = c10::cuda::CUDACachingAllocator;
 namespace cda = c10::CachingDeviceAllocator;
-
-inline void trace_gpu_alloc(void* p) {
-  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
-  if (C10_UNLIKELY(interp)) {
-    (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
-  }
-}
-
-inline void trace_gpu_free(void* p) {
-  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
-  if (C10_UNLIKELY(interp)) {
-    (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
-  }
-}
-
-inline cda::DeviceStats to_torch(const ffi::Stats& s) {
-  return device_stats_to<cda::DeviceStats>(s);
-}
 
 inline cda::TraceEntry to_torch(const TraceRec& r) {
   return cda::TraceEntry(
@@ -175,68 +162,21 @@ inline std::vector<Action> parse_skip_actions(const std::vector<std::string>& na
 
 } // namespace compat
 
-class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAllocator {
+class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceIndex, c10::MempoolId_t> {
  public:
-  explicit GmlakeAllocator(std::string conf) : impl_(std::move(conf)) {}
+  using CheckpointingAllocator::CheckpointingAllocator;
 
-  Impl& impl() {
-    return impl_;
-  }
-
-  // ---- c10::Allocator
   c10::DataPtr allocate(size_t n) override {
     return impl_.allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &local_raw_delete;
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     impl_.copy_data(dest, src, count);
   }
-
-  // ---- c10::DeviceAllocator
-  bool initialized() override {
-    return impl_.initialized();
-  }
   void emptyCache(c10::MempoolId_t mempool_id) override {
     impl_.empty_cache(PoolId{mempool_id.first, mempool_id.second});
   }
-  using c10::cuda::CUDACachingAllocator::CUDAAllocator::recordStream;
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
-    bool present = false;
-    ffi::Stats s = impl_.stats(device, &present);
-    if (!present) {
-      c10::CachingDeviceAllocator::DeviceStats empty;
-      empty.max_split_size = static_cast<int64_t>(std::numeric_limits<int64_t>::max());
-      return empty;
-    }
-    return compat::to_torch(s);
-  }
-  void resetAccumulatedStats(c10::DeviceIndex device) override {
-    impl_.reset_accumulated_stats(device);
-  }
-  void resetPeakStats(c10::DeviceIndex device) override {
-    impl_.reset_peak_stats(device);
-  }
-
-  // ---- CUDAAllocator
-  void* raw_alloc(size_t nbytes) override {
-    return impl_.raw_alloc(nbytes);
-  }
-  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
-    return impl_.raw_alloc_with_stream(nbytes, stream);
-  }
-  void raw_delete(void* ptr) override {
-    impl_.free(ptr);
-  }
-  void init(int device_count) override {
-    impl_.init(device_count);
-  }
   double getMemoryFraction(c10::DeviceIndex device) override {
     return impl_.memory_fraction(device);
-  }
-  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
-    impl_.set_memory_fraction(fraction, device);
   }
   std::vector<c10::cuda::CUDACachingAllocator::StreamSegmentSize> getExpandableSegmentSizes(
       c10::DeviceIndex /*device*/) override {
@@ -248,15 +188,6 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   }
   bool isEnabled() const override {
     return impl_.is_enabled();
-  }
-  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
-    impl_.cache_info(device, largestBlock);
-  }
-  void* getBaseAllocation(void* ptr, size_t* size) override {
-    return impl_.base_allocation(ptr, size);
-  }
-  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    impl_.record_stream(ptr.get(), ptr.get_deleter(), ptr.device().index(), stream.stream());
   }
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(
       c10::MempoolId_t mempool_id,
@@ -272,9 +203,6 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   }
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
     impl_.end_allocate_to_pool(device, PoolId{mempool_id.first, mempool_id.second});
-  }
-  void releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
-    impl_.release_pool(device, PoolId{mempool_id.first, mempool_id.second});
   }
   int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
     return impl_.pool_use_count(device, PoolId{mempool_id.first, mempool_id.second});
@@ -296,13 +224,6 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   }
   void setNoSplit(c10::DeviceIndex /*device*/, c10::MempoolId_t /*mempool_id*/) override {
     TORCH_CHECK(false, "gmlake: memory pools without splitting (MemPool(no_split=True)) are not supported yet");
-  }
-  bool checkPoolLiveAllocations(
-      c10::DeviceIndex device,
-      c10::MempoolId_t mempool_id,
-      const std::unordered_set<void*>& expected_live_allocations) override {
-    std::vector<void*> expected(expected_live_allocations.begin(), expected_live_allocations.end());
-    return impl_.check_pool_live_allocations(device, PoolId{mempool_id.first, mempool_id.second}, expected);
   }
   c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
     auto [offset, handle] = impl_.share_ipc(ptr);
@@ -350,87 +271,18 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   void attachAllocatorTraceTracker(c10::CachingDeviceAllocator::AllocatorTraceTracker tracker) override {
     impl_.attach_trace_tracker([tracker = std::move(tracker)](const TraceRec& r) { tracker(compat::to_torch(r)); });
   }
-  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
-    impl_.enable_peer_access(dev, dev_to_access);
-  }
-  cudaError_t memcpyAsync(
-      void* dst,
-      int dstDevice,
-      const void* src,
-      int srcDevice,
-      size_t count,
-      cudaStream_t stream,
-      bool p2p_enabled) override {
-    return impl_.memcpy_async(dst, dstDevice, src, srcDevice, count, stream, p2p_enabled);
-  }
-  // torch.compile's CUDA graph trees take a checkpoint after every recording and restore one
-  // when a tree branches. The checkpoint is the pool's allocated blocks; a restore frees the
-  // blocks allocated since and allocates the checkpoint's blocks freed since, at their
-  // addresses (the core's allocate_at).
-  struct PoolCheckpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
-    int device = 0;
-    PoolId pool{0, 0};
-    std::vector<Impl::PoolBlock> blocks;
-  };
-  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
-      c10::DeviceIndex device,
-      c10::MempoolId_t id) override {
-    auto state = std::make_shared<PoolCheckpoint>();
-    state->device = device;
-    state->pool = PoolId{id.first, id.second};
-    state->blocks = impl_.live_blocks_in_pool(device, state->pool);
-    return state;
-  }
-  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
-      c10::DeviceIndex device,
-      std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps) override {
-    auto state = std::dynamic_pointer_cast<PoolCheckpoint>(pps);
-    TORCH_CHECK(state, "gmlake: setCheckpointPoolState expects a state from gmlake's getCheckpointState");
-    TORCH_CHECK(state->device == device, "gmlake: checkpoint of device ", state->device, " restored on ", device);
-    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
-    delta.ptrs_freed = impl_.restore_pool_checkpoint(device, state->pool, state->blocks);
-    // As PyTorch's allocator: the checkpoint's blocks count as freed and allocated again at the
-    // same addresses; the caller attaches these DataPtrs to the storages that own them.
-    for (const auto& b : state->blocks) {
-      void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(b.address));
-      delta.ptrs_freed.push_back(p);
-      delta.dataptrs_allocd.emplace_back(
-          p, p, &local_raw_delete, c10::Device(c10::DeviceType::CUDA, device));
-    }
-    return delta;
-  }
-  std::string name() override {
-    return "gmlake";
-  }
 
  private:
-  mutable Impl impl_;
   c10::ApproximateClockToUnixTimeConverter clock_converter_;
 };
 
 namespace compat {
-
-// Whether the allocator torch uses now has been initialized (CUDA is up).
-inline bool current_allocator_initialized() {
-  cca::CUDAAllocator* cur = cca::allocator.load();
-  return cur != nullptr && cur->initialized();
-}
-
-inline std::string current_allocator_name() {
-  cca::CUDAAllocator* cur = cca::allocator.load();
-  return cur != nullptr ? cur->name() : std::string("none");
-}
 
 // Makes `a` torch's CUDA allocator (see the notes' run-time install recipe).
 inline void install(GmlakeAllocator* a) {
   cca::allocator.store(a);
   // 2.9+: torch.accelerator.* and c10::GetAllocator(kCUDA) read the registry.
   c10::SetAllocator(c10::DeviceType::CUDA, a, /*priority=*/1);
-}
-
-// An exported address inside libc10_cuda (to locate the loaded library with dladdr).
-inline const void* c10_cuda_anchor() {
-  return static_cast<const void*>(&cca::allocator);
 }
 
 } // namespace compat

@@ -20,24 +20,6 @@ namespace cca = c10::cuda::CUDACachingAllocator;
 using MempoolId = c10::cuda::MempoolId_t;
 using CaptureId = c10::cuda::CaptureId_t;
 
-inline void trace_gpu_alloc(void* p) {
-  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
-  if (C10_UNLIKELY(interp)) {
-    (*interp)->trace_gpu_memory_allocation(reinterpret_cast<uintptr_t>(p));
-  }
-}
-
-inline void trace_gpu_free(void* p) {
-  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
-  if (C10_UNLIKELY(interp)) {
-    (*interp)->trace_gpu_memory_deallocation(reinterpret_cast<uintptr_t>(p));
-  }
-}
-
-inline cca::DeviceStats to_torch(const ffi::Stats& s) {
-  return device_stats_to<cca::DeviceStats>(s);
-}
-
 // 2.0 has no SEGMENT_MAP / SEGMENT_UNMAP: a page mapped is reported as memory obtained, a page
 // unmapped as memory returned.
 inline cca::TraceEntry::Action to_torch(Action a) {
@@ -123,68 +105,15 @@ inline bool stream_captures(cudaStream_t stream, CaptureId graph) {
 
 } // namespace compat
 
-class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAllocator {
+class GmlakeAllocator final : public compat::ForwardingAllocator<int> {
  public:
-  explicit GmlakeAllocator(std::string conf) : impl_(std::move(conf)) {}
+  using ForwardingAllocator::ForwardingAllocator;
 
-  Impl& impl() {
-    return impl_;
-  }
-
-  // ---- c10::Allocator
   c10::DataPtr allocate(size_t n) const override {
     return impl_.allocate(n);
   }
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &local_raw_delete;
-  }
-
-  // ---- CUDAAllocator
-  void* raw_alloc(size_t nbytes) override {
-    return impl_.raw_alloc(nbytes);
-  }
-  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
-    return impl_.raw_alloc_with_stream(nbytes, stream);
-  }
-  void raw_delete(void* ptr) override {
-    impl_.free(ptr);
-  }
-  void init(int device_count) override {
-    impl_.init(device_count);
-  }
-  bool initialized() override {
-    return impl_.initialized();
-  }
-  void setMemoryFraction(double fraction, int device) override {
-    impl_.set_memory_fraction(fraction, device);
-  }
   void emptyCache() override {
     impl_.empty_cache(PoolId{0, 0});
-  }
-  void cacheInfo(int device, size_t* largestBlock) override {
-    impl_.cache_info(device, largestBlock);
-  }
-  void* getBaseAllocation(void* ptr, size_t* size) override {
-    return impl_.base_allocation(ptr, size);
-  }
-  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    impl_.record_stream(ptr.get(), ptr.get_deleter(), ptr.device().index(), stream.stream());
-  }
-  c10::cuda::CUDACachingAllocator::DeviceStats getDeviceStats(int device) override {
-    bool present = false;
-    ffi::Stats s = impl_.stats(device, &present);
-    if (!present) {
-      c10::cuda::CUDACachingAllocator::DeviceStats empty;
-      empty.max_split_size = std::numeric_limits<int64_t>::max();
-      return empty;
-    }
-    return compat::to_torch(s);
-  }
-  void resetAccumulatedStats(int device) override {
-    impl_.reset_accumulated_stats(device);
-  }
-  void resetPeakStats(int device) override {
-    impl_.reset_peak_stats(device);
   }
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
     return compat::to_torch(impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true));
@@ -251,34 +180,16 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   bool needsPoolSpecificPeerAccess() override {
     return false;
   }
-  std::string name() override {
-    return "gmlake";
-  }
 
  private:
-  mutable Impl impl_;
   std::mutex captures_mu_;
   std::map<std::pair<int, compat::CaptureId>, PoolId> captures_;
 };
 
 namespace compat {
 
-inline bool current_allocator_initialized() {
-  cca::CUDAAllocator* cur = cca::allocator.load();
-  return cur != nullptr && cur->initialized();
-}
-
-inline std::string current_allocator_name() {
-  cca::CUDAAllocator* cur = cca::allocator.load();
-  return cur != nullptr ? cur->name() : std::string("none");
-}
-
 inline void install(GmlakeAllocator* a) {
   cca::allocator.store(a);
-}
-
-inline const void* c10_cuda_anchor() {
-  return static_cast<const void*>(&cca::allocator);
 }
 
 } // namespace compat

@@ -16,24 +16,6 @@ namespace cca = c10::cuda::CUDACachingAllocator;
 namespace cda = c10::CachingDeviceAllocator;
 using MempoolId = c10::cuda::MempoolId_t;
 
-inline void trace_gpu_alloc(void* p) {
-  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
-  if (C10_UNLIKELY(interp)) {
-    (*interp)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
-  }
-}
-
-inline void trace_gpu_free(void* p) {
-  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
-  if (C10_UNLIKELY(interp)) {
-    (*interp)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(p));
-  }
-}
-
-inline cda::DeviceStats to_torch(const ffi::Stats& s) {
-  return device_stats_to<cda::DeviceStats>(s);
-}
-
 inline cca::TraceEntry to_torch(const TraceRec& r) {
   return cca::TraceEntry(
       static_cast<cca::TraceEntry::Action>(r.action),
@@ -103,46 +85,18 @@ inline cca::SnapshotInfo to_torch(const SnapshotData& d, c10::ApproximateClockTo
 
 } // namespace compat
 
-class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAllocator {
+class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceIndex, compat::MempoolId> {
  public:
-  explicit GmlakeAllocator(std::string conf) : impl_(std::move(conf)) {}
+  using CheckpointingAllocator::CheckpointingAllocator;
 
-  Impl& impl() {
-    return impl_;
-  }
-
-  // ---- c10::Allocator
   c10::DataPtr allocate(size_t n) override {
     return impl_.allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const override {
-    return &local_raw_delete;
   }
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     impl_.copy_data(dest, src, count);
   }
-
-  // ---- CUDAAllocator
-  void* raw_alloc(size_t nbytes) override {
-    return impl_.raw_alloc(nbytes);
-  }
-  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
-    return impl_.raw_alloc_with_stream(nbytes, stream);
-  }
-  void raw_delete(void* ptr) override {
-    impl_.free(ptr);
-  }
-  void init(int device_count) override {
-    impl_.init(device_count);
-  }
-  bool initialized() override {
-    return impl_.initialized();
-  }
   double getMemoryFraction(c10::DeviceIndex device) override {
     return impl_.memory_fraction(device);
-  }
-  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
-    impl_.set_memory_fraction(fraction, device);
   }
   void emptyCache() override {
     impl_.empty_cache(PoolId{0, 0});
@@ -152,31 +106,6 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   }
   bool isEnabled() const override {
     return impl_.is_enabled();
-  }
-  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
-    impl_.cache_info(device, largestBlock);
-  }
-  void* getBaseAllocation(void* ptr, size_t* size) override {
-    return impl_.base_allocation(ptr, size);
-  }
-  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) override {
-    impl_.record_stream(ptr.get(), ptr.get_deleter(), ptr.device().index(), stream.stream());
-  }
-  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
-    bool present = false;
-    ffi::Stats s = impl_.stats(device, &present);
-    if (!present) {
-      c10::CachingDeviceAllocator::DeviceStats empty;
-      empty.max_split_size = std::numeric_limits<int64_t>::max();
-      return empty;
-    }
-    return compat::to_torch(s);
-  }
-  void resetAccumulatedStats(c10::DeviceIndex device) override {
-    impl_.reset_accumulated_stats(device);
-  }
-  void resetPeakStats(c10::DeviceIndex device) override {
-    impl_.reset_peak_stats(device);
   }
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
     SnapshotData d = impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true);
@@ -191,21 +120,11 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   void endAllocateToPool(c10::DeviceIndex device, compat::MempoolId mempool_id) override {
     impl_.end_allocate_to_pool(device, PoolId{mempool_id.first, mempool_id.second});
   }
-  void releasePool(c10::DeviceIndex device, compat::MempoolId mempool_id) override {
-    impl_.release_pool(device, PoolId{mempool_id.first, mempool_id.second});
-  }
   int getPoolUseCount(c10::DeviceIndex device, compat::MempoolId mempool_id) override {
     return impl_.pool_use_count(device, PoolId{mempool_id.first, mempool_id.second});
   }
   void ensureExistsAndIncrefPool(c10::DeviceIndex device, compat::MempoolId mempool_id) override {
     impl_.create_or_incref_pool(device, PoolId{mempool_id.first, mempool_id.second});
-  }
-  bool checkPoolLiveAllocations(
-      c10::DeviceIndex device,
-      compat::MempoolId mempool_id,
-      const std::unordered_set<void*>& expected_live_allocations) override {
-    std::vector<void*> expected(expected_live_allocations.begin(), expected_live_allocations.end());
-    return impl_.check_pool_live_allocations(device, PoolId{mempool_id.first, mempool_id.second}, expected);
   }
   c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
     auto [offset, handle] = impl_.share_ipc(ptr);
@@ -239,78 +158,16 @@ class GmlakeAllocator final : public c10::cuda::CUDACachingAllocator::CUDAAlloca
   void attachAllocatorTraceTracker(c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) override {
     impl_.attach_trace_tracker([tracker = std::move(tracker)](const TraceRec& r) { tracker(compat::to_torch(r)); });
   }
-  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
-    impl_.enable_peer_access(dev, dev_to_access);
-  }
-  cudaError_t memcpyAsync(
-      void* dst,
-      int dstDevice,
-      const void* src,
-      int srcDevice,
-      size_t count,
-      cudaStream_t stream,
-      bool p2p_enabled) override {
-    return impl_.memcpy_async(dst, dstDevice, src, srcDevice, count, stream, p2p_enabled);
-  }
-  // CUDA graph trees (torch.compile mode="reduce-overhead"): see the 2.11 adapter.
-  struct PoolCheckpoint final : c10::cuda::CUDACachingAllocator::AllocatorState {
-    int device = 0;
-    PoolId pool{0, 0};
-    std::vector<Impl::PoolBlock> blocks;
-  };
-  std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> getCheckpointState(
-      c10::DeviceIndex device,
-      compat::MempoolId id) override {
-    auto state = std::make_shared<PoolCheckpoint>();
-    state->device = device;
-    state->pool = PoolId{id.first, id.second};
-    state->blocks = impl_.live_blocks_in_pool(device, state->pool);
-    return state;
-  }
-  c10::cuda::CUDACachingAllocator::CheckpointDelta setCheckpointPoolState(
-      c10::DeviceIndex device,
-      std::shared_ptr<c10::cuda::CUDACachingAllocator::AllocatorState> pps) override {
-    auto state = std::dynamic_pointer_cast<PoolCheckpoint>(pps);
-    TORCH_CHECK(state, "gmlake: setCheckpointPoolState expects a state from gmlake's getCheckpointState");
-    TORCH_CHECK(state->device == device, "gmlake: checkpoint of device ", state->device, " restored on ", device);
-    c10::cuda::CUDACachingAllocator::CheckpointDelta delta;
-    delta.ptrs_freed = impl_.restore_pool_checkpoint(device, state->pool, state->blocks);
-    for (const auto& b : state->blocks) {
-      void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(b.address));
-      delta.ptrs_freed.push_back(p);
-      delta.dataptrs_allocd.emplace_back(
-          p, p, &local_raw_delete, c10::Device(c10::DeviceType::CUDA, device));
-    }
-    return delta;
-  }
-  std::string name() override {
-    return "gmlake";
-  }
 
  private:
-  mutable Impl impl_;
   c10::ApproximateClockToUnixTimeConverter clock_converter_;
 };
 
 namespace compat {
 
-inline bool current_allocator_initialized() {
-  cca::CUDAAllocator* cur = cca::allocator.load();
-  return cur != nullptr && cur->initialized();
-}
-
-inline std::string current_allocator_name() {
-  cca::CUDAAllocator* cur = cca::allocator.load();
-  return cur != nullptr ? cur->name() : std::string("none");
-}
-
 // 2.6 has no c10::SetAllocator registration for CUDA: torch reads CUDACachingAllocator::get().
 inline void install(GmlakeAllocator* a) {
   cca::allocator.store(a);
-}
-
-inline const void* c10_cuda_anchor() {
-  return static_cast<const void*>(&cca::allocator);
 }
 
 } // namespace compat
