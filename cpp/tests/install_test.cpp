@@ -92,7 +92,8 @@ int main(int argc, char** argv) {
   const long long n_json = stats_json(0, nullptr, 0);
   std::string json(n_json > 0 ? static_cast<size_t>(n_json) + 1 : 1, '\0');
   CHECK(stats_json(0, json.data(), json.size()) == n_json && contains(json, "\"gmlake.stitches\":0") &&
-            contains(json, "\"gmlake.ipc_imports\":0"),
+            contains(json, "\"gmlake.ipc_imports\":0") &&
+            contains(json, "\"gmlake.initialized\":0"),
         "stats json of an unused device: %s", json.c_str());
   CHECK(stats_json(5, nullptr, 0) < 0, "stats json of a device out of range");
   auto snap = a->snapshot({0, 0}, true);

@@ -216,6 +216,7 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.stitches``, ``gmlake.pages_stitched``, ``gmlake.cached_bytes``,
     ``gmlake.retired_bytes``, ``gmlake.pending_frees``, ``gmlake.unknown_frees``,
     ``gmlake.ipc_shares``, ``gmlake.ipc_imports``, ``gmlake.ipc_imported_bytes``,
+    ``gmlake.initialized`` (0 until the device's first allocation, all counters then zero),
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>``,
     ``gmlake.device_total``, ``gmlake.page_size``. (No device free memory: reading it can
     wait for the GPU; use ``torch.cuda.mem_get_info()``.)

@@ -31,18 +31,6 @@ def result(**kw):
 """
 
 
-def _gpu_available() -> bool:
-    try:
-        r = subprocess.run(
-            [PYTHON, "-c", "import torch; print(torch.cuda.is_available())"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        return r.stdout.strip().endswith("True")
-    except Exception:
-        return False
-
 
 def _log(name: str, text: str) -> None:
     if OUT is None:

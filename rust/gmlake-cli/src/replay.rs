@@ -330,6 +330,7 @@ pub fn replay<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::trace::tests::ev;
     use crate::trace::Event;
 
     /// A backend with a fixed capacity that holds exactly the bytes allocated (no caching),
@@ -365,15 +366,6 @@ mod tests {
         }
         fn reserved_bytes(&self) -> u64 {
             self.bytes
-        }
-    }
-
-    fn ev(action: Action, addr: u64, size: u64) -> Event {
-        Event {
-            addr,
-            size,
-            stream: 0,
-            action,
         }
     }
 

@@ -446,7 +446,7 @@ fn convert_event(ev: RawEvent) -> Result<Parsed, String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A minimal pickle writer (protocol 2 opcodes) for building test snapshots.
@@ -520,7 +520,8 @@ mod tests {
         parse_snapshot(Path::new("t.pickle"), bytes)
     }
 
-    fn ev(action: Action, addr: u64, size: u64) -> Event {
+    /// An event on stream 0 (also used by replay's tests).
+    pub(crate) fn ev(action: Action, addr: u64, size: u64) -> Event {
         Event {
             addr,
             size,

@@ -399,10 +399,9 @@ impl CudaDevice {
     /// `pidfd_getfd` (Linux 5.6+; needs ptrace access to that process: same user, and
     /// `/proc/sys/kernel/yama/ptrace_scope` 0, or root), imports it, and closes the duplicate.
     pub fn import_from_process(&self, pid: i32, fd: i32) -> DeviceResult<PhysHandle> {
+        // The duplicate is closed when `local` goes, after the import.
         let local = crate::pidfd::dup_from_process(pid, fd)?;
-        let r = self.import_fd(local.raw());
-        drop(local);
-        r
+        self.import_fd(local.raw())
     }
 
     /// Imports physical memory exported by another process with [`CudaDevice::export_fd`]

@@ -213,8 +213,8 @@ pub mod ffi {
         fn check_conf(conf: &str) -> Result<Vec<KeyValue>>;
         /// Whether this staticlib was built with the CUDA backend.
         fn has_cuda_backend() -> bool;
-        /// The statistics JSON of a device whose allocator was never created (all zero), so
-        /// readers find every key before the first allocation.
+        /// The statistics JSON of a device whose allocator was never created (all zero, and
+        /// `gmlake.initialized` 0), so readers find every key before the first allocation.
         fn empty_stats_json() -> String;
 
         /// "cuda" or "simulated".
@@ -720,7 +720,7 @@ impl Gmlake {
             let s = self.core.stats();
             // No device_free here: cuMemGetInfo was seen blocking the host until the GPU was
             // idle (H100, driver 580), and statistics are read in training loops.
-            let mut extra = Vec::new();
+            let mut extra = vec![("initialized", 1)];
             if let Ok(t) = self.core.device_total() {
                 extra.push(("device_total", t as u64));
             }
@@ -868,7 +868,7 @@ impl Gmlake {
 }
 
 fn empty_stats_json() -> String {
-    json::stats(&DeviceStats::default(), &[])
+    json::stats(&DeviceStats::default(), &[("initialized", 0)])
 }
 
 fn ipc_handle_kind(handle: &[u8]) -> Result<u8, String> {

@@ -221,3 +221,12 @@ fn bad_ipc_handles_are_errors() {
         .contains("not allocated by gmlake"));
     assert_eq!(a.stats().unwrap().ipc_imports, 0);
 }
+
+#[test]
+fn stats_json_says_whether_the_allocator_exists() {
+    let empty = empty_stats_json();
+    assert!(empty.contains("\"gmlake.initialized\":0"), "{empty}");
+    assert!(empty.contains("\"gmlake.stitches\":0"), "{empty}");
+    let live = sim(GIB, "").stats_json().unwrap();
+    assert!(live.contains("\"gmlake.initialized\":1"), "{live}");
+}

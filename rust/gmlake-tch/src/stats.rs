@@ -37,6 +37,11 @@ pub struct GmlakeCounters {
     pub pending_frees: i64,
     /// Frees of pointers gmlake did not allocate (allocated before the install).
     pub unknown_frees: i64,
+    /// Allocations shared with other processes (CUDA IPC), ranges of other processes mapped
+    /// now, and their bytes.
+    pub ipc_shares: i64,
+    pub ipc_imports: i64,
+    pub ipc_imported_bytes: i64,
     /// CUDA driver calls (create, map, unmap, set-access, ...), in total and by kind.
     pub driver_calls: i64,
     pub driver_calls_by_kind: BTreeMap<String, i64>,
@@ -122,7 +127,11 @@ impl Stats {
             })
             .collect();
         Ok(Stats {
-            initialized: !obj.is_empty(),
+            // `gmlake.initialized` (0 for a device without an allocator yet, whose counters
+            // are all zero); libraries before it sent `{}` for such a device.
+            initialized: raw
+                .get("gmlake.initialized")
+                .map_or(!obj.is_empty(), |&v| v != 0),
             allocation: array("allocation"),
             segment: array("segment"),
             active: array("active"),
@@ -147,6 +156,9 @@ impl Stats {
                 retired_bytes: get("gmlake.retired_bytes"),
                 pending_frees: get("gmlake.pending_frees"),
                 unknown_frees: get("gmlake.unknown_frees"),
+                ipc_shares: get("gmlake.ipc_shares"),
+                ipc_imports: get("gmlake.ipc_imports"),
+                ipc_imported_bytes: get("gmlake.ipc_imported_bytes"),
                 driver_calls: get("gmlake.driver_calls"),
                 driver_calls_by_kind,
                 device_free: raw.get("gmlake.device_free").copied(),
@@ -227,6 +239,14 @@ mod tests {
         assert!(!s.initialized);
         assert_eq!(s.utilization(), None);
         assert_eq!(s.to_string(), "no allocation on this device yet");
+        // The library's zero statistics of a device without an allocator say so.
+        let z = Stats::from_json(r#"{"allocation.all.current":0,"gmlake.initialized":0}"#).unwrap();
+        assert!(!z.initialized);
+        assert!(
+            Stats::from_json(r#"{"gmlake.initialized":1}"#)
+                .unwrap()
+                .initialized
+        );
     }
 
     #[test]
@@ -240,6 +260,7 @@ mod tests {
             "gmlake.stitches":6,"gmlake.pages_stitched":12,"gmlake.driver_calls":20,
             "gmlake.driver_calls.map":15,"gmlake.driver_calls.create":5,
             "gmlake.page_size":2097152,"gmlake.device_total":18446744073709551615,
+            "gmlake.ipc_shares":2,"gmlake.ipc_imports":1,"gmlake.ipc_imported_bytes":4194304,
             "note":"ignored","ratio":0.5}"#;
         let s = Stats::from_json(text).unwrap();
         assert!(s.initialized);
@@ -259,6 +280,14 @@ mod tests {
         assert_eq!(s.max_split_size, -1);
         assert_eq!(s.gmlake.stitches, 6);
         assert_eq!(s.gmlake.pages_stitched, 12);
+        assert_eq!(
+            (
+                s.gmlake.ipc_shares,
+                s.gmlake.ipc_imports,
+                s.gmlake.ipc_imported_bytes
+            ),
+            (2, 1, 4 << 20)
+        );
         assert_eq!(s.gmlake.driver_calls_by_kind.len(), 2);
         assert_eq!(s.gmlake.driver_calls_by_kind["map"], 15);
         assert_eq!(s.gmlake.page_size, Some(2 << 20));
