@@ -6,29 +6,24 @@
 //! Invariants (checked by `check` in tests):
 //! - I1 the blocks of a chunk partition it: sorted, adjacent, no gaps, no overlaps.
 //! - I2 a `Live` or `FreeMapped` block has every page it touches mapped (in `pages`).
-//! - I3 a `FreeUnmapped` or `Retired` block starts and ends on page boundaries and none of
-//!   its pages is in `pages` (a retired range is still mapped on the device, as an alias of
-//!   a page that was stitched elsewhere, until its event completes and it is unmapped).
-//! - I4 two adjacent free blocks of the same state never both exist (they are coalesced),
-//!   so a `FreeMapped` block's neighbours are live, retired, unmapped or a chunk edge, and
-//!   its pages that it does not share with a live neighbour ("interior" pages) can be taken.
-//! - I5 every free block is in exactly the indexes of its state; the counters equal sums
-//!   over the indexes.
+//! - I3 a `FreeUnmapped`, `Lent` or `Retired` block starts and ends on page boundaries and
+//!   none of its pages is in `pages`. Every page of a `Lent` block is in `lent` (an alias:
+//!   mapped here on the device, its physical page active elsewhere), and `lent` holds
+//!   nothing else. A `Retired` range is still mapped on the device until its event completes
+//!   and the allocator unmaps it; `FreeUnmapped` has nothing mapped.
+//! - I4 two adjacent free blocks of the same state never both exist (`FreeMapped`,
+//!   `FreeUnmapped` and `Lent` are coalesced), so a `FreeMapped` block's neighbours are live,
+//!   lent, retired, unmapped or a chunk edge, and its pages that it does not share with a
+//!   live neighbour ("interior" pages) can be taken.
+//! - I5 every free or lent block is in exactly the indexes of its state; the counters equal
+//!   sums over the indexes.
 //!
 //! Consequently every maximal run of mapped blocks starts and ends on page boundaries.
 
-use crate::allocator::GraphPoolId;
-use crate::device::{PhysHandle, StreamId};
-use crate::stats::PoolKind;
+use crate::device::PhysHandle;
+use crate::keys::ArenaKey;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct ArenaKey {
-    pub stream: StreamId,
-    pub kind: PoolKind,
-    pub graph_pool: GraphPoolId,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BlockState {
@@ -43,7 +38,13 @@ pub(crate) enum BlockState {
     FreeUnmapped {
         ext: u64,
     },
-    /// Pages given to a stitch elsewhere; still mapped here until their event completes.
+    /// Pages given to a stitch elsewhere, still mapped here (aliases, in `lent`): the range
+    /// becomes usable again with no driver call once its pages are free where they are
+    /// active (a *reuse* of this mapping). `since` orders lendings, for eviction.
+    Lent {
+        since: u64,
+    },
+    /// Being unmapped: still mapped on the device until the allocator's event completes.
     Retired,
     /// Free and mapped, parked uncoalesced in the quick list of its exact size so the next
     /// request of that size takes it in O(1). Counted as free mapped; never next to the
@@ -51,6 +52,17 @@ pub(crate) enum BlockState {
     Quick {
         freed: u64,
     },
+}
+
+/// What pages taken from a free mapped block become.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Take {
+    /// `Lent` (still mapped here, reusable later with no driver call), stamped `now`.
+    Lend(u64),
+    /// `Retired`: the caller unmaps them once its event completes, then calls `unretire`.
+    Retire,
+    /// Unmapped free space at once: the caller unmaps them before releasing its lock.
+    Unmap,
 }
 
 /// How many blocks the quick lists of one arena hold before they are flushed.
@@ -97,7 +109,12 @@ pub(crate) struct Arena {
     by_age: BTreeSet<(u64, u64)>,
     /// FreeUnmapped blocks by (ext, addr).
     unmapped: BTreeSet<(u64, u64)>,
-    pub pages: BTreeMap<u64, Page>,
+    /// Active pages: va -> page. Private: the allocator reads it through accessors.
+    pages: BTreeMap<u64, Page>,
+    /// Aliases kept mapped in `Lent` blocks: va -> handle (active elsewhere, or spare).
+    lent: BTreeMap<u64, PhysHandle>,
+    /// Lent blocks by (since, addr): oldest first, for eviction.
+    lent_age: BTreeSet<(u64, u64)>,
     /// size -> quick blocks of that size, lowest address first (as best fit would pick).
     quick: rustc_hash::FxHashMap<u64, BinaryHeap<Reverse<u64>>>,
     quick_len: usize,
@@ -124,6 +141,8 @@ impl Arena {
             by_age: BTreeSet::new(),
             unmapped: BTreeSet::new(),
             pages: BTreeMap::new(),
+            lent: BTreeMap::new(),
+            lent_age: BTreeSet::new(),
             quick: rustc_hash::FxHashMap::default(),
             quick_len: 0,
             free_mapped_bytes: 0,
@@ -165,6 +184,9 @@ impl Arena {
             }
             BlockState::Live => self.live_blocks += 1,
             BlockState::Retired => self.retired_blocks += 1,
+            BlockState::Lent { since } => {
+                self.lent_age.insert((since, addr));
+            }
             BlockState::FreeUnmapped { ext } => {
                 self.unmapped.insert((ext, addr));
             }
@@ -192,6 +214,9 @@ impl Arena {
             }
             BlockState::Live => self.live_blocks -= 1,
             BlockState::Retired => self.retired_blocks -= 1,
+            BlockState::Lent { since } => {
+                self.lent_age.remove(&(since, addr));
+            }
             BlockState::FreeUnmapped { ext } => {
                 self.unmapped.remove(&(ext, addr));
             }
@@ -335,7 +360,9 @@ impl Arena {
             .map(|c| c.0)
             .collect();
         let mut out: Vec<(u64, u64)> = Vec::new();
-        for &va in self.pages.keys() {
+        let mut vas: Vec<u64> = self.pages.keys().chain(self.lent.keys()).copied().collect();
+        vas.sort_unstable();
+        for va in vas {
             match out.last_mut() {
                 Some((start, len)) if *start + *len == va && !chunk_starts.contains(&va) => {
                     *len += self.page
@@ -470,10 +497,12 @@ impl Arena {
         self.quick.entry(size).or_default().push(Reverse(addr));
         self.quick_len += 1;
         self.last_free = now;
-        if self.quick_len > QUICK_CAPACITY {
-            self.flush_quick();
-        }
         Some(size)
+    }
+
+    /// The quick lists hold more than they should: the caller flushes them.
+    pub fn quick_full(&self) -> bool {
+        self.quick_len > QUICK_CAPACITY
     }
 
     /// The most recently freed quick block of exactly `size` bytes, made live again.
@@ -488,46 +517,103 @@ impl Arena {
         Some(addr)
     }
 
-    /// Moves every quick block into the coalesced free mapped blocks.
-    pub fn flush_quick(&mut self) {
+    /// Moves every quick block into the coalesced free mapped blocks. Returns the flushed
+    /// blocks that hold stitched pages (pages whose first mapping is elsewhere), as (addr,
+    /// size), for the allocator to send those pages home.
+    pub fn flush_quick(&mut self) -> Vec<(u64, u64)> {
+        let mut stitched = Vec::new();
         if self.quick_len == 0 {
-            return;
+            return stitched;
         }
         let quick = std::mem::take(&mut self.quick);
         for Reverse(addr) in quick.into_values().flatten() {
             if let Some(b) = self.take(addr) {
                 if let BlockState::Quick { freed } = b.state {
+                    let (first, n) = self.interior(addr, b.size);
+                    if n > 0
+                        && self
+                            .pages
+                            .range(first..first + n * self.page)
+                            .any(|(_, p)| p.stitched)
+                    {
+                        stitched.push((addr, b.size));
+                    }
                     self.insert_free_mapped(addr, b.size, freed, b.chunk);
                 }
             }
         }
         self.quick_len = 0;
+        stitched
+    }
+
+    /// Stitched pages among the whole pages of [addr, addr + size): (va, handle).
+    pub fn stitched_pages(&self, addr: u64, size: u64) -> Vec<(u64, PhysHandle)> {
+        let (first, n) = self.interior(addr, size);
+        self.pages
+            .range(first..first + n * self.page)
+            .filter(|(_, p)| p.stitched)
+            .map(|(&v, p)| (v, p.handle))
+            .collect()
+    }
+
+    /// Marks the active page at `va` stitched (first mapped elsewhere) or not.
+    pub fn set_stitched(&mut self, va: u64, stitched: bool) {
+        if let Some(p) = self.pages.get_mut(&va) {
+            p.stitched = stitched;
+        }
     }
 
     /// Takes up to `max_pages` interior pages from the top of the free mapped block at
-    /// `addr`. With `retire` the taken range becomes `Retired` (still mapped on the device
-    /// until the caller unmaps it and calls `unretire`); otherwise it becomes unmapped free
-    /// space at once and the caller must unmap it before releasing the lock.
-    /// Returns the first taken page address and the pages' handles in address order.
-    pub fn take_pages(
-        &mut self,
-        addr: u64,
-        max_pages: u64,
-        retire: bool,
-    ) -> (u64, Vec<PhysHandle>) {
+    /// `addr`; what the taken range becomes is `mode`'s. Returns the first taken page address
+    /// and the pages' handles in address order.
+    pub fn take_pages(&mut self, addr: u64, max_pages: u64, mode: Take) -> (u64, Vec<PhysHandle>) {
         let Some(b) = self.blocks.get(&addr).copied() else {
             return (0, Vec::new());
         };
-        let BlockState::FreeMapped { freed } = b.state else {
+        if !matches!(b.state, BlockState::FreeMapped { .. }) {
             return (0, Vec::new());
-        };
+        }
         let (first, n) = self.interior(addr, b.size);
         let k = n.min(max_pages);
         if k == 0 {
             return (0, Vec::new());
         }
-        let s_end = first + n * self.page;
-        let s_start = s_end - k * self.page;
+        let s_start = first + (n - k) * self.page;
+        let handles = self.take_range(addr, b, s_start, k, mode);
+        (s_start, handles)
+    }
+
+    /// Lends the page at `va` (an interior page of a free mapped block) to a reuse elsewhere:
+    /// it becomes `Lent` here, still mapped. Returns its handle, or None if the page is not
+    /// an interior page of a free mapped block.
+    pub fn lend_page_at(&mut self, va: u64, now: u64) -> Option<PhysHandle> {
+        let (addr, b) = self.block_containing(va)?;
+        if !matches!(b.state, BlockState::FreeMapped { .. }) || va + self.page > addr + b.size {
+            return None;
+        }
+        self.take_range(addr, b, va, 1, Take::Lend(now)).pop()
+    }
+
+    /// Whether the page at `va` is an interior page of a free mapped block (it may be lent).
+    pub fn page_is_free(&self, va: u64) -> bool {
+        self.block_containing(va).is_some_and(|(addr, b)| {
+            matches!(b.state, BlockState::FreeMapped { .. }) && va + self.page <= addr + b.size
+        })
+    }
+
+    /// Takes the `k` pages at `s_start` out of the free mapped block (`addr`, `b`).
+    fn take_range(
+        &mut self,
+        addr: u64,
+        b: Block,
+        s_start: u64,
+        k: u64,
+        mode: Take,
+    ) -> Vec<PhysHandle> {
+        let BlockState::FreeMapped { freed } = b.state else {
+            return Vec::new();
+        };
+        let s_end = s_start + k * self.page;
         self.take(addr);
         if s_start > addr {
             self.insert_free_mapped(addr, s_start - addr, freed, b.chunk);
@@ -536,24 +622,224 @@ impl Arena {
         if bend > s_end {
             self.insert_free_mapped(s_end, bend - s_end, freed, b.chunk);
         }
-        if retire {
-            self.put(
+        let handles: Vec<PhysHandle> = (0..k)
+            .filter_map(|i| self.pages.remove(&(s_start + i * self.page)))
+            .map(|p| p.handle)
+            .collect();
+        match mode {
+            Take::Retire => self.put(
                 s_start,
                 Block {
                     size: s_end - s_start,
                     state: BlockState::Retired,
                     chunk: b.chunk,
                 },
-            );
-        } else {
-            self.insert_free_unmapped(s_start, s_end - s_start, b.chunk);
+            ),
+            Take::Unmap => self.insert_free_unmapped(s_start, s_end - s_start, b.chunk),
+            Take::Lend(now) => {
+                for (i, &h) in handles.iter().enumerate() {
+                    self.lent.insert(s_start + i as u64 * self.page, h);
+                }
+                self.insert_lent(s_start, s_end - s_start, now, b.chunk);
+            }
         }
         self.refresh_ext(s_end);
-        let handles = (0..k)
-            .filter_map(|i| self.pages.remove(&(s_start + i * self.page)))
-            .map(|p| p.handle)
+        handles
+    }
+
+    fn insert_lent(&mut self, mut addr: u64, mut size: u64, mut since: u64, chunk: u32) {
+        if let Some((pa, p)) = self.prev_of(addr, chunk) {
+            if let BlockState::Lent { since: s } = p.state {
+                self.take(pa);
+                addr = pa;
+                size += p.size;
+                since = since.max(s);
+            }
+        }
+        if let Some(n) = self.next_of(addr + size, chunk) {
+            if let BlockState::Lent { since: s } = n.state {
+                self.take(addr + size);
+                size += n.size;
+                since = since.max(s);
+            }
+        }
+        self.put(
+            addr,
+            Block {
+                size,
+                state: BlockState::Lent { since },
+                chunk,
+            },
+        );
+    }
+
+    /// Splits the page-aligned range [start, start + len) out of the lent block containing
+    /// it; returns that block's (addr, block) before the split.
+    fn split_lent(&mut self, start: u64, len: u64) -> Option<(u64, Block, u64)> {
+        let (addr, b) = self.block_containing(start)?;
+        let BlockState::Lent { since } = b.state else {
+            return None;
+        };
+        if start + len > addr + b.size {
+            return None;
+        }
+        self.take(addr);
+        if start > addr {
+            self.put(
+                addr,
+                Block {
+                    size: start - addr,
+                    state: BlockState::Lent { since },
+                    chunk: b.chunk,
+                },
+            );
+        }
+        let bend = addr + b.size;
+        if bend > start + len {
+            self.put(
+                start + len,
+                Block {
+                    size: bend - start - len,
+                    state: BlockState::Lent { since },
+                    chunk: b.chunk,
+                },
+            );
+        }
+        Some((addr, b, since))
+    }
+
+    /// The lent page at `va` is active here again (its physical page was taken back from
+    /// where it was active): it becomes free mapped space. The caller grants nothing: the
+    /// alias kept its mapping and access.
+    pub fn claim_lent(&mut self, va: u64, now: u64, stitched: bool) -> Option<PhysHandle> {
+        let handle = *self.lent.get(&va)?;
+        let (_, b, _) = self.split_lent(va, self.page)?;
+        self.lent.remove(&va);
+        self.pages.insert(va, Page { handle, stitched });
+        self.insert_free_mapped(va, self.page, now, b.chunk);
+        self.refresh_ext(va + self.page);
+        Some(handle)
+    }
+
+    /// The lent pages [start, start + n pages) are to be unmapped: they become `Retired`
+    /// (one block). Returns their handles.
+    pub fn retire_lent(&mut self, start: u64, n: u64) -> Vec<PhysHandle> {
+        let len = n * self.page;
+        let Some((_, b, _)) = self.split_lent(start, len) else {
+            return Vec::new();
+        };
+        self.put(
+            start,
+            Block {
+                size: len,
+                state: BlockState::Retired,
+                chunk: b.chunk,
+            },
+        );
+        (0..n)
+            .filter_map(|i| self.lent.remove(&(start + i * self.page)))
+            .collect()
+    }
+
+    /// The oldest lent block: (since, addr, pages).
+    pub fn oldest_lent(&self) -> Option<(u64, u64, u64)> {
+        let &(since, addr) = self.lent_age.iter().next()?;
+        let b = self.blocks.get(&addr)?;
+        Some((since, addr, b.size / self.page))
+    }
+
+    /// Lent blocks as (addr, bytes), in address order.
+    pub fn lent_blocks(&self) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self
+            .lent_age
+            .iter()
+            .filter_map(|&(_, a)| self.blocks.get(&a).map(|b| (a, b.size)))
             .collect();
-        (s_start, handles)
+        v.sort_unstable();
+        v
+    }
+
+    /// Number of lent pages (aliases) held.
+    pub fn lent_pages(&self) -> u64 {
+        self.lent.len() as u64
+    }
+
+    /// The handle lent at `va`.
+    pub fn lent_at(&self, va: u64) -> Option<PhysHandle> {
+        self.lent.get(&va).copied()
+    }
+
+    /// Every (va, handle) alias whose handle satisfies `pred`.
+    pub fn lent_matching(&self, pred: impl Fn(PhysHandle) -> bool) -> Vec<(u64, PhysHandle)> {
+        self.lent
+            .iter()
+            .filter(|(_, &h)| pred(h))
+            .map(|(&v, &h)| (v, h))
+            .collect()
+    }
+
+    /// The region around `addr` that a reuse may cover: the maximal run of adjacent free
+    /// mapped and lent blocks, as (addr, block) in address order.
+    pub fn reuse_region(&self, addr: u64) -> Vec<(u64, Block)> {
+        let reusable = |b: &Block| {
+            matches!(
+                b.state,
+                BlockState::FreeMapped { .. } | BlockState::Lent { .. }
+            )
+        };
+        let Some(&b0) = self.blocks.get(&addr) else {
+            return Vec::new();
+        };
+        let mut start = (addr, b0);
+        while let Some((pa, p)) = self.prev_of(start.0, start.1.chunk) {
+            if !reusable(&p) {
+                break;
+            }
+            start = (pa, p);
+        }
+        let mut out = vec![start];
+        let mut cur = start;
+        while let Some(n) = self.next_of(cur.0 + cur.1.size, cur.1.chunk) {
+            if !reusable(&n) {
+                break;
+            }
+            cur = (cur.0 + cur.1.size, n);
+            out.push(cur);
+        }
+        out
+    }
+
+    /// Every lent alias: made unmapped free space (the caller unmaps them before releasing
+    /// the lock). Returns (va, handle) of each.
+    pub fn drain_lent(&mut self) -> Vec<(u64, PhysHandle)> {
+        let blocks = self.lent_blocks();
+        for (addr, _) in blocks {
+            if let Some(b) = self.take(addr) {
+                self.insert_free_unmapped(addr, b.size, b.chunk);
+                self.refresh_ext(addr + b.size);
+            }
+        }
+        std::mem::take(&mut self.lent).into_iter().collect()
+    }
+
+    /// Active pages in [lo, hi): (va, page).
+    pub fn pages_in(&self, lo: u64, hi: u64) -> impl Iterator<Item = (u64, Page)> + '_ {
+        self.pages.range(lo..hi).map(|(&v, &p)| (v, p))
+    }
+
+    /// Number of active pages.
+    pub fn active_pages(&self) -> u64 {
+        self.pages.len() as u64
+    }
+
+    /// Records a page mapped at `va` by the allocator.
+    pub fn insert_page(&mut self, va: u64, page: Page) {
+        self.pages.insert(va, page);
+    }
+
+    /// Forgets the page at `va` (a failed map undone).
+    pub fn remove_page(&mut self, va: u64) -> Option<Page> {
+        self.pages.remove(&va)
     }
 
     /// A retired range has been unmapped: it becomes free unmapped space.
@@ -562,6 +848,7 @@ impl Arena {
             if b.state == BlockState::Retired {
                 self.take(addr);
                 self.insert_free_unmapped(addr, b.size, b.chunk);
+                self.refresh_ext(addr + b.size);
             }
         }
     }
@@ -615,6 +902,7 @@ impl Arena {
     /// Verifies the invariants above; returns a description of the first violation.
     pub fn check(&self) -> Result<(), String> {
         let mut fm = (0u64, 0u64, 0u64);
+        let (mut lent_pages, mut lent_blocks) = (0u64, 0usize);
         for (id, &(start, size)) in self.chunks.iter().enumerate() {
             if size == 0 {
                 continue;
@@ -640,13 +928,27 @@ impl Arena {
                             p += self.page;
                         }
                     }
-                    BlockState::FreeUnmapped { .. } | BlockState::Retired => {
+                    BlockState::FreeUnmapped { .. }
+                    | BlockState::Retired
+                    | BlockState::Lent { .. } => {
                         if a % self.page != 0 || b.size % self.page != 0 {
                             return Err(format!("I3: unaligned unmapped block {a:#x}"));
                         }
                         if self.pages.range(a..a + b.size).next().is_some() {
                             return Err(format!("I3: unmapped block {a:#x} has pages"));
                         }
+                        let aliases = self.lent.range(a..a + b.size).count() as u64;
+                        let want = if matches!(b.state, BlockState::Lent { .. }) {
+                            b.size / self.page
+                        } else {
+                            0
+                        };
+                        if aliases != want {
+                            return Err(format!(
+                                "I3: block {a:#x} has {aliases} lent pages, expected {want}"
+                            ));
+                        }
+                        lent_pages += aliases;
                     }
                 }
                 let same = |x: Option<BlockState>, y: BlockState| {
@@ -658,7 +960,7 @@ impl Arena {
                         ) | (
                             Some(BlockState::FreeUnmapped { .. }),
                             BlockState::FreeUnmapped { .. }
-                        )
+                        ) | (Some(BlockState::Lent { .. }), BlockState::Lent { .. })
                     )
                 };
                 if same(prev_state, b.state) {
@@ -692,6 +994,12 @@ impl Arena {
                             return Err(format!("I5: {a:#x} missing from unmapped"));
                         }
                     }
+                    BlockState::Lent { since } => {
+                        if !self.lent_age.contains(&(since, a)) {
+                            return Err(format!("I5: {a:#x} missing from lent_age"));
+                        }
+                        lent_blocks += 1;
+                    }
                     _ => {}
                 }
                 prev_state = Some(b.state);
@@ -699,6 +1007,13 @@ impl Arena {
             if cursor != start + size {
                 return Err(format!("I1: chunk {start:#x} not fully covered"));
             }
+        }
+        if lent_pages != self.lent.len() as u64 || lent_blocks != self.lent_age.len() {
+            return Err(format!(
+                "I5: {} lent pages in {} blocks indexed, {lent_pages} in {lent_blocks} found",
+                self.lent.len(),
+                self.lent_age.len()
+            ));
         }
         if fm
             != (

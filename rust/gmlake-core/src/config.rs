@@ -56,6 +56,12 @@ pub struct Config {
     pub memory_fraction: Option<f64>,
     /// `limit`: cap reserved memory at this many bytes.
     pub limit_bytes: Option<u64>,
+    /// `max_aliases`: how many old mappings of stitched pages are kept for reuse, as a
+    /// multiple of the pages held (at least 8 GiB worth of pages when not 0). Kept mappings
+    /// cost virtual addresses only, and let a periodic job reuse last step's stitched ranges
+    /// with no driver call; beyond the bound the oldest are unmapped. 0 unmaps every old
+    /// mapping once its stream is done with it.
+    pub max_aliases: f64,
 }
 
 impl Default for Config {
@@ -71,6 +77,7 @@ impl Default for Config {
             small_size: 1 << 20,
             memory_fraction: None,
             limit_bytes: None,
+            max_aliases: 4.0,
         }
     }
 }
@@ -87,6 +94,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "small_size",
     "memory_fraction",
     "limit",
+    "max_aliases",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -209,6 +217,15 @@ impl Config {
                 }
                 self.page_size = p;
             }
+            "max_aliases" | "maxaliases" => {
+                let f: f64 = v
+                    .parse()
+                    .map_err(|_| invalid(key, value, "expected a number >= 0"))?;
+                if !(f >= 0.0 && f.is_finite()) {
+                    return Err(invalid(key, value, "expected a finite number >= 0"));
+                }
+                self.max_aliases = f;
+            }
             "small_size" | "smallsize" => {
                 let s = size(key)?;
                 if s == 0 || s > 1 << 30 {
@@ -296,6 +313,7 @@ impl Config {
             ("stitch_strategy", self.stitch_strategy.name().to_string()),
             ("page_size", self.page_size.to_string()),
             ("small_size", self.small_size.to_string()),
+            ("max_aliases", self.max_aliases.to_string()),
             (
                 "memory_fraction",
                 self.memory_fraction

@@ -15,6 +15,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod ipc;
+mod keys;
 pub mod sim;
 pub mod stats;
 

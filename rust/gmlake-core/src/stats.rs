@@ -166,6 +166,14 @@ pub struct DeviceStats {
     pub stitches: u64,
     /// Pages moved by those stitches.
     pub pages_stitched: u64,
+    /// Misses served with no driver call by reusing a kept stitched mapping whose pages were
+    /// all free, and the pages taken back for them.
+    pub stitch_reuses: u64,
+    pub pages_reused: u64,
+    /// Kept mappings unmapped because there were more than `max_aliases` allowed.
+    pub alias_evictions: u64,
+    /// Bytes of kept aliases (virtual ranges still mapped onto pages active elsewhere).
+    pub aliased_bytes: u64,
     /// Bytes cached in free mapped blocks (reusable without a driver call).
     pub cached_bytes: u64,
     /// Bytes of pages reachable only through a retired mapping waiting to be unmapped.
@@ -197,6 +205,9 @@ impl DeviceStats {
         self.num_device_free = 0;
         self.stitches = 0;
         self.pages_stitched = 0;
+        self.stitch_reuses = 0;
+        self.pages_reused = 0;
+        self.alias_evictions = 0;
         self.driver_calls = DriverCalls::default();
     }
 

@@ -373,7 +373,12 @@ fn pages_of_another_stream_are_stitched_only_after_its_fence() {
 
 #[test]
 fn retired_mappings_wait_for_their_event() {
-    let (dev, a) = setup_async(1 << 30, Config::default());
+    // max_aliases 0: old mappings of stitched pages are not kept, only retired.
+    let config = Config {
+        max_aliases: 0.0,
+        ..Config::default()
+    };
+    let (dev, a) = setup_async(1 << 30, config);
     let _live = checkerboard(&a, 0);
     a.allocate(40 * MIB, 0).unwrap();
     let s = a.stats();
@@ -388,6 +393,98 @@ fn retired_mappings_wait_for_their_event() {
     a.allocate(64 * MIB, 9).unwrap();
     assert_eq!(a.stats().retired_bytes, 0);
     assert!(dev.live_mappings() < mappings + 32);
+    a.verify().unwrap();
+}
+
+/// One "training step": ten 10 MiB tensors, every other one freed, a 40 MiB one that no
+/// hole fits, then everything freed. Returns the driver calls the step made.
+fn periodic_step(a: &Allocator<Arc<SimDevice>>, dev: &SimDevice) -> u64 {
+    let before = dev.calls().total();
+    let small: Vec<u64> = (0..10).map(|_| a.allocate(10 * MIB, 0).unwrap()).collect();
+    for p in small.iter().step_by(2) {
+        a.free(*p).unwrap();
+    }
+    let big = a.allocate(40 * MIB, 0).unwrap();
+    let mid = a.allocate(6 * MIB, 0).unwrap();
+    for p in small.iter().skip(1).step_by(2) {
+        a.free(*p).unwrap();
+    }
+    a.free(mid).unwrap();
+    a.free(big).unwrap();
+    a.verify().unwrap();
+    dev.calls().total() - before
+}
+
+#[test]
+fn kept_aliases_make_periodic_steps_free_of_driver_calls() {
+    // Without kept aliases every step stitches anew.
+    let no_aliases = Config {
+        max_aliases: 0.0,
+        ..Config::default()
+    };
+    let (dev, a) = setup(1 << 30, no_aliases);
+    let calls: Vec<u64> = (0..12).map(|_| periodic_step(&a, &dev)).collect();
+    assert!(calls[8..].iter().all(|&c| c > 0), "{calls:?}");
+
+    // The holes freed rotate over the first steps (allocation order follows the free
+    // lists), so a few stitched views are made; then every step finds one.
+    let (dev, a) = setup(1 << 30, Config::default());
+    let warm: Vec<u64> = (0..8).map(|_| periodic_step(&a, &dev)).collect();
+    assert!(warm[0] > 0);
+    let reserved = dev.physical_bytes();
+    for step in 0..20 {
+        assert_eq!(
+            periodic_step(&a, &dev),
+            0,
+            "step {step} after warm-up {warm:?}"
+        );
+    }
+    assert_eq!(dev.physical_bytes(), reserved);
+    let s = a.stats();
+    assert!(s.stitch_reuses > 0 || s.stitches == 0, "{s:?}");
+    // Aliases hold no memory and empty_cache unmaps every one of them.
+    a.empty_cache().unwrap();
+    assert_eq!(dev.live_mappings(), 0);
+    assert_eq!(dev.physical_bytes(), 0);
+}
+
+#[test]
+fn stitched_range_is_reused_after_its_pages_went_home() {
+    let (dev, a) = setup(1 << 30, Config::default());
+    let live = checkerboard(&a, 0);
+    let big = a.allocate(40 * MIB, 0).unwrap();
+    a.free(big).unwrap();
+    // The holes want their pages back: taken from the freed stitched range, no driver call.
+    let calls = dev.calls().total();
+    let holes: Vec<u64> = (0..5).map(|_| a.allocate(10 * MIB, 0).unwrap()).collect();
+    a.verify().unwrap();
+    for h in &holes {
+        a.free(*h).unwrap();
+    }
+    // And the stitched range again, with no driver call either.
+    let again = a.allocate(40 * MIB, 0).unwrap();
+    assert_eq!(dev.calls().total(), calls, "{:?}", a.stats());
+    assert!(a.stats().stitch_reuses >= 1);
+    assert_eq!(again, big);
+    a.verify().unwrap();
+    drop(live);
+}
+
+#[test]
+fn aliases_beyond_the_bound_are_unmapped() {
+    let config = Config {
+        max_aliases: 0.0,
+        ..Config::default()
+    };
+    let (dev, a) = setup(1 << 30, config);
+    let _live = checkerboard(&a, 0);
+    let mappings = dev.live_mappings();
+    a.allocate(40 * MIB, 0).unwrap();
+    a.allocate(MIB * 2, 5).unwrap(); // a slow path processes the completed retirements
+    let s = a.stats();
+    assert_eq!(s.aliased_bytes, 0, "{s:?}");
+    assert!(s.alias_evictions >= 15, "{s:?}");
+    assert!(dev.live_mappings() <= mappings + 2);
     a.verify().unwrap();
 }
 

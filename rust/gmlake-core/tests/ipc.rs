@@ -211,7 +211,11 @@ fn an_interior_pointer_shares_its_whole_block() {
 fn regranting_access_covers_blocks_retired_ranges_and_imports() {
     // Asynchronous device: retired ranges stay mapped until their event completes.
     let dev = Arc::new(SimDevice::new(1 << 30).asynchronous());
-    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let no_aliases = Config {
+        max_aliases: 0.0,
+        ..Config::default()
+    };
+    let a = Allocator::new(dev.clone(), no_aliases).unwrap();
     let b = Allocator::new(dev.clone(), Config::default()).unwrap();
     let ptrs: Vec<u64> = (0..10).map(|_| a.allocate(10 * MIB, 0).unwrap()).collect();
     for p in ptrs.iter().step_by(2) {
@@ -227,4 +231,14 @@ fn regranting_access_covers_blocks_retired_ranges_and_imports() {
     b.regrant_access().unwrap();
     assert!(dev.calls().set_access >= calls + 3);
     a.verify().unwrap();
+    // Kept aliases (lent ranges) are granted again too.
+    let c = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let ptrs: Vec<u64> = (0..10).map(|_| c.allocate(10 * MIB, 0).unwrap()).collect();
+    for p in ptrs.iter().step_by(2) {
+        c.free(*p).unwrap();
+    }
+    let _big = c.allocate(40 * MIB, 0).unwrap();
+    assert!(c.stats().aliased_bytes > 0, "{:?}", c.stats());
+    c.regrant_access().unwrap();
+    c.verify().unwrap();
 }

@@ -98,6 +98,10 @@ pub fn stats(s: &DeviceStats, extra: &[(&str, u64)]) -> String {
     o.num("max_split_size", s.max_split_size);
     o.num("gmlake.stitches", s.stitches);
     o.num("gmlake.pages_stitched", s.pages_stitched);
+    o.num("gmlake.stitch_reuses", s.stitch_reuses);
+    o.num("gmlake.pages_reused", s.pages_reused);
+    o.num("gmlake.alias_evictions", s.alias_evictions);
+    o.num("gmlake.aliased_bytes", s.aliased_bytes);
     o.num("gmlake.cached_bytes", s.cached_bytes);
     o.num("gmlake.retired_bytes", s.retired_bytes);
     o.num("gmlake.pending_frees", s.pending_frees);

@@ -1,0 +1,605 @@
+//! Page sourcing: spare pages, new pages, stitching pages taken from cached free blocks,
+//! reusing kept mappings, and mapping them. `PageBook` owns the accounting of physical pages.
+
+use super::*;
+
+/// Every physical page the allocator created and has not released.
+///
+/// Invariant (checked by `verify`): each page is in exactly one of: active in one arena at
+/// one address (`home` says where, and that arena's page table says the same), spare, or in
+/// a retired batch waiting for release; `physical` counts them all. Any page may also be
+/// mapped, inactive, at the addresses of lent blocks (aliases), but nothing else.
+#[derive(Default)]
+pub(super) struct PageBook {
+    pub physical: u64,
+    /// Created pages mapped nowhere actively (left over when a request failed half way).
+    pub spare: Vec<PhysHandle>,
+    /// Active page -> (arena, virtual address).
+    pub home: FxHashMap<PhysHandle, (u32, u64)>,
+    /// Page -> where it was first mapped, while that mapping lives (active or as an alias).
+    /// A page active elsewhere is *stitched* there (`Page::stitched`).
+    pub primary: FxHashMap<PhysHandle, (u32, u64)>,
+}
+
+/// A range that a miss can take with no driver call: free mapped blocks and lent pages
+/// whose physical pages are free where they are active.
+pub(super) struct Reuse {
+    pub start: u64,
+    pub len: u64,
+    /// Lent pages to take back: (address here, handle).
+    pub lent: Vec<(u64, PhysHandle)>,
+}
+
+/// Lent pages a miss examines at most when looking for a range to reuse: bounds the cost of
+/// a miss when many aliases are kept and few are free (random lifetimes); periodic jobs
+/// find their ranges well within it.
+const MAX_REUSE_CHECKS: u64 = 16_384;
+
+impl State {
+    /// Finds `n` pages for arena `aid`: spare pages, then stitching and new memory in the
+    /// order `defragLevel` says. `None` when they cannot all be had now; nothing is lent
+    /// then (pages created on the way are kept as spares).
+    pub(super) fn acquire_pages<D: Device>(
+        &mut self,
+        dev: &D,
+        n: u64,
+        aid: u32,
+        size: u64,
+        attempt: usize,
+        exclude: [Option<u64>; 2],
+    ) -> Result<Option<Vec<(PhysHandle, bool)>>> {
+        let mut out: Vec<(PhysHandle, bool)> = Vec::with_capacity(n as usize);
+        while (out.len() as u64) < n {
+            match self.book.spare.pop() {
+                Some(h) => out.push((h, false)),
+                None => break,
+            }
+        }
+        let need = n - out.len() as u64;
+        if need == 0 {
+            return Ok(Some(out));
+        }
+        let level = self.cfg.defrag_level;
+        let stitch =
+            self.captures == 0 && self.cfg.may_stitch(size) && (level <= 1 || attempt >= 1);
+        let steal_first = stitch && level == 0;
+        let mut avail = if steal_first {
+            self.stealable_for(dev, aid, need, exclude)?
+        } else {
+            0
+        };
+        let mut steal = need.min(avail);
+        // Do not create pages for a request the limit cannot satisfy anyway.
+        if let Some(limit) = self.limit {
+            let creatable = (limit / self.page).saturating_sub(self.book.physical);
+            let later = if stitch && !steal_first {
+                self.stealable_for(dev, aid, need, exclude)?
+            } else {
+                0
+            };
+            if steal + creatable + later < need {
+                self.book.spare.extend(out.into_iter().map(|p| p.0));
+                return Ok(None);
+            }
+        }
+        let created = match self.create_pages(dev, need - steal) {
+            Ok(c) => c,
+            Err(e) => {
+                self.book.spare.extend(out.into_iter().map(|p| p.0));
+                return Err(e);
+            }
+        };
+        let short = need - steal - created.len() as u64;
+        if short > 0 && stitch {
+            if !steal_first {
+                avail = self.stealable_for(dev, aid, short, exclude)?;
+            }
+            steal += short.min(avail.saturating_sub(steal));
+        }
+        if steal + (created.len() as u64) < need {
+            self.book.spare.extend(out.into_iter().map(|p| p.0));
+            self.book.spare.extend(created);
+            return Ok(None);
+        }
+        out.extend(created.into_iter().map(|h| (h, false)));
+        if steal > 0 {
+            let stolen = self.stitch_pages(dev, steal, aid, exclude)?;
+            out.extend(stolen.into_iter().map(|h| (h, true)));
+        }
+        Ok(Some(out))
+    }
+
+    /// Creates up to `n` pages, stopping at the limit or when the device is full.
+    pub(super) fn create_pages<D: Device>(&mut self, dev: &D, n: u64) -> Result<Vec<PhysHandle>> {
+        let mut out = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            if self
+                .limit
+                .is_some_and(|l| (self.book.physical + 1) * self.page > l)
+            {
+                break;
+            }
+            match drv!(
+                self,
+                create_physical,
+                dev.create_physical(self.page as usize)
+            ) {
+                Ok(h) => {
+                    self.book.physical += 1;
+                    self.stats.num_device_alloc += 1;
+                    self.stats
+                        .reserved_bytes
+                        .increase(PoolKind::Large, self.page as i64);
+                    self.stats.segment.increase(PoolKind::Large, 1);
+                    out.push(h);
+                }
+                Err(DeviceError::OutOfMemory) => break,
+                Err(e) => {
+                    self.book.spare.extend(out);
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Gives a page back to the device. It must be mapped nowhere: neither active nor as an
+    /// alias.
+    pub(super) fn release_page<D: Device>(&mut self, dev: &D, h: PhysHandle) -> Result<()> {
+        drv!(self, release_physical, dev.release_physical(h))?;
+        self.book.primary.remove(&h);
+        self.book.physical -= 1;
+        self.stats.num_device_free += 1;
+        self.stats
+            .reserved_bytes
+            .decrease(PoolKind::Large, self.page as i64);
+        self.stats.segment.decrease(PoolKind::Large, 1);
+        Ok(())
+    }
+
+    /// Pages that arena `aid` may take from free mapped blocks: same stream at once, other
+    /// streams once fenced, never from a live graph pool. Refreshes fences of other streams
+    /// only when the same stream cannot cover `want`.
+    pub(super) fn stealable_for<D: Device>(
+        &mut self,
+        dev: &D,
+        aid: u32,
+        want: u64,
+        exclude: [Option<u64>; 2],
+    ) -> Result<u64> {
+        let target = self.arenas[aid as usize].key;
+        let a = &self.arenas[aid as usize];
+        let excluded: u64 = exclude
+            .iter()
+            .flatten()
+            .map(|&x| a.block(x).map_or(0, |b| a.interior(x, b.size).1))
+            .sum();
+        let same: u64 = self
+            .arenas
+            .iter()
+            .filter(|a| a.key.stream == target.stream && self.pool_may_give(a))
+            .map(|a| a.stealable_pages)
+            .sum::<u64>()
+            - excluded;
+        if same >= want {
+            return Ok(same);
+        }
+        self.refresh_fences(dev, target.stream)?;
+        Ok(same
+            + self
+                .arenas
+                .iter()
+                .filter(|a| a.key.stream != target.stream && self.may_give(a, target.stream))
+                .map(|a| a.stealable_pages)
+                .sum::<u64>())
+    }
+
+    /// Pages of this arena may be taken: it is no live CUDA graph pool.
+    pub(super) fn pool_may_give(&self, a: &Arena) -> bool {
+        a.key.graph_pool == GraphPoolId::DEFAULT || self.released_pools.contains(&a.key.graph_pool)
+    }
+
+    /// Pages of this arena may be taken for `stream`: same stream, or fenced since its last
+    /// free.
+    pub(super) fn may_give(&self, a: &Arena, stream: StreamId) -> bool {
+        self.pool_may_give(a)
+            && (a.key.stream == stream
+                || self
+                    .fences
+                    .get(&a.key.stream)
+                    .is_some_and(|f| f.completed >= a.last_free))
+    }
+
+    /// Chooses the next block to take pages from, by strategy: (arena, block, pages there).
+    pub(super) fn choose_source(
+        &self,
+        aid: u32,
+        need: u64,
+        exclude: [Option<u64>; 2],
+    ) -> Option<(u32, u64, u64)> {
+        let target = self.arenas[aid as usize].key.stream;
+        let skip = |i: usize, addr: u64| i == aid as usize && exclude.contains(&Some(addr));
+        let candidates = self
+            .arenas
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.stealable_pages > 0 && self.may_give(a, target));
+        let mut best: Option<(u64, u32, u64, u64)> = None; // (rank, arena, addr, pages)
+        let better =
+            |best: &Option<(u64, u32, u64, u64)>, rank: u64| best.is_none_or(|b| rank < b.0);
+        match self.cfg.stitch_strategy {
+            StitchStrategy::BestFit => {
+                // Smallest block covering the whole need...
+                for (i, a) in candidates.clone() {
+                    let mut from = need;
+                    while let Some((p, addr)) = a.smallest_with(from) {
+                        if !skip(i, addr) {
+                            if better(&best, p) {
+                                best = Some((p, i as u32, addr, p));
+                            }
+                            break;
+                        }
+                        from = p + 1;
+                    }
+                }
+                if best.is_some() {
+                    return best.map(|b| (b.1, b.2, b.3));
+                }
+                // ...else the largest, so the stitch has as few pieces as possible.
+                self.largest_source(candidates, &skip)
+            }
+            StitchStrategy::LargestFirst => self.largest_source(candidates, &skip),
+            StitchStrategy::Lru => {
+                for (i, a) in candidates.clone() {
+                    if !a.tracks_age() {
+                        continue;
+                    }
+                    if let Some((freed, addr)) = a.oldest() {
+                        let addr = if skip(i, addr) {
+                            continue;
+                        } else {
+                            addr
+                        };
+                        let b = a.block(addr).map_or(0, |b| b.size);
+                        let p = a.interior(addr, b).1;
+                        if better(&best, freed) {
+                            best = Some((freed, i as u32, addr, p));
+                        }
+                    }
+                }
+                best.map(|b| (b.1, b.2, b.3))
+                    .or_else(|| self.largest_source(candidates, &skip))
+            }
+        }
+    }
+
+    pub(super) fn largest_source<'a>(
+        &self,
+        candidates: impl Iterator<Item = (usize, &'a Arena)>,
+        skip: &impl Fn(usize, u64) -> bool,
+    ) -> Option<(u32, u64, u64)> {
+        let mut best: Option<(u64, u32, u64)> = None;
+        for (i, a) in candidates {
+            // The excluded block may be the largest: look at the next one then.
+            let mut it = a.largest();
+            while let Some((p, addr)) = it {
+                if !skip(i, addr) {
+                    if best.is_none_or(|b| p > b.0) {
+                        best = Some((p, i as u32, addr));
+                    }
+                    break;
+                }
+                it = a.largest_below(p, addr);
+            }
+        }
+        best.map(|b| (b.1, b.2, b.0))
+    }
+
+    /// Takes `k` pages from free mapped blocks for arena `aid` (the caller checked they are
+    /// available). Their old ranges stay mapped as lent blocks, for later reuse.
+    pub(super) fn stitch_pages<D: Device>(
+        &mut self,
+        dev: &D,
+        k: u64,
+        aid: u32,
+        exclude: [Option<u64>; 2],
+    ) -> Result<Vec<PhysHandle>> {
+        let target_kind = self.arenas[aid as usize].key.kind;
+        let mut got: Vec<PhysHandle> = Vec::with_capacity(k as usize);
+        while (got.len() as u64) < k {
+            let Some((src, addr, _)) = self.choose_source(aid, k - got.len() as u64, exclude)
+            else {
+                break;
+            };
+            let want = k - got.len() as u64;
+            let handles = self.lend_pages(src, addr, want, target_kind);
+            if handles.is_empty() {
+                break;
+            }
+            got.extend(handles);
+        }
+        self.stats.stitches += 1;
+        self.stats.pages_stitched += got.len() as u64;
+        if (got.len() as u64) < k {
+            // Not reached when stealable_for counted right; keep the pages and report.
+            self.book.spare.extend(got);
+            return Err(Error::InvalidState(
+                "stitch found fewer free pages than counted".into(),
+            ));
+        }
+        self.enforce_alias_limit(dev)?;
+        self.maybe_auto_gc(dev)?;
+        Ok(got)
+    }
+
+    /// Whether page `h` may be taken back, with no driver call, for arena `aid` (serving
+    /// `stream`): it is active at an interior page of a free mapped block of an arena that
+    /// may give to `stream`, outside `avoid` (the region being reused, which it would cut).
+    fn reusable(&self, h: PhysHandle, aid: u32, stream: StreamId, avoid: (u64, u64)) -> bool {
+        let Some(&(x, va)) = self.book.home.get(&h) else {
+            return false;
+        };
+        if x == aid && va >= avoid.0 && va < avoid.1 {
+            return false;
+        }
+        let a = &self.arenas[x as usize];
+        self.may_give(a, stream) && a.page_is_free(va)
+    }
+
+    /// The range of arena `aid` that `size` bytes can take with no driver call: a run of free
+    /// mapped blocks and lent pages whose physical pages are free where they are active, the
+    /// shortest such run that fits (best fit). Only the lent pages under the first `size`
+    /// bytes are listed for taking back. O(lent pages of the arena).
+    pub(super) fn find_reuse(&self, aid: u32, size: u64) -> Option<Reuse> {
+        let arena = &self.arenas[aid as usize];
+        let stream = arena.key.stream;
+        let page = self.page;
+        let mut best: Option<Reuse> = None;
+        let close = |cur: &mut Option<Reuse>, best: &mut Option<Reuse>| {
+            if let Some(mut r) = cur.take() {
+                if r.len >= size
+                    && !r.lent.is_empty()
+                    && best.as_ref().is_none_or(|b| r.len < b.len)
+                {
+                    r.lent.retain(|&(va, _)| va < r.start + size);
+                    *best = Some(r);
+                }
+            }
+        };
+        // Lent blocks in address order; a region holds several, so each region is walked
+        // once (`scanned` is the end of the last one walked).
+        let mut scanned = 0u64;
+        let mut checked = 0u64;
+        for (laddr, _) in arena.lent_blocks() {
+            if laddr < scanned {
+                continue;
+            }
+            let region = arena.reuse_region(laddr);
+            let (Some(&(rstart, _)), Some(&(last, lb))) = (region.first(), region.last()) else {
+                continue;
+            };
+            let rend = last + lb.size;
+            scanned = rend;
+            if rend - rstart < size {
+                continue;
+            }
+            let mut cur: Option<Reuse> = None;
+            let mut taken: FxHashSet<PhysHandle> = FxHashSet::default();
+            if checked > MAX_REUSE_CHECKS {
+                break;
+            }
+            for (addr, b) in region {
+                if matches!(b.state, ArenaState::FreeMapped { .. }) {
+                    let r = cur.get_or_insert(Reuse {
+                        start: addr,
+                        len: 0,
+                        lent: Vec::new(),
+                    });
+                    r.len = addr + b.size - r.start;
+                    continue;
+                }
+                checked += b.size / page;
+                for va in (addr..addr + b.size).step_by(page as usize) {
+                    // The window would be [start, start + size): a page active inside it
+                    // cannot be taken from there.
+                    let start = cur.as_ref().map_or(va, |r| r.start);
+                    let ok = arena.lent_at(va).filter(|&h| {
+                        !taken.contains(&h) && self.reusable(h, aid, stream, (start, start + size))
+                    });
+                    match ok {
+                        Some(h) => {
+                            taken.insert(h);
+                            let r = cur.get_or_insert(Reuse {
+                                start: va,
+                                len: 0,
+                                lent: Vec::new(),
+                            });
+                            r.len = va + page - r.start;
+                            r.lent.push((va, h));
+                        }
+                        None => {
+                            close(&mut cur, &mut best);
+                            taken.clear();
+                        }
+                    }
+                }
+            }
+            close(&mut cur, &mut best);
+            if best.as_ref().is_some_and(|b| b.len - size < page) {
+                break;
+            }
+        }
+        best
+    }
+
+    /// Takes back the lent pages of `r` from where they are active (which keep their
+    /// mappings as lent blocks): no driver call.
+    pub(super) fn apply_reuse(&mut self, aid: u32, r: &Reuse) -> Result<()> {
+        let now = self.now;
+        let kind = self.arenas[aid as usize].key.kind;
+        for &(va, h) in &r.lent {
+            let Some(&(x, hva)) = self.book.home.get(&h) else {
+                return Err(Error::InvalidState(format!(
+                    "reuse of page {h:?} that is active nowhere"
+                )));
+            };
+            if self.with_arena(x, |a| a.lend_page_at(hva, now)) != Some(h) {
+                return Err(Error::InvalidState(format!(
+                    "reuse of page {h:?}: not free at {hva:#x}"
+                )));
+            }
+            let xkind = self.arenas[x as usize].key.kind;
+            self.move_pages(xkind, kind, 1);
+            let stitched = self.book.primary.get(&h) != Some(&(aid, va));
+            self.with_arena(aid, |a| a.claim_lent(va, now, stitched));
+            self.book.home.insert(h, (aid, va));
+        }
+        self.stats.stitch_reuses += 1;
+        self.stats.pages_reused += r.lent.len() as u64;
+        Ok(())
+    }
+
+    /// Moves the count of `n` pages from pool `from` to pool `to` (pages mapped nowhere
+    /// count as large).
+    pub(super) fn move_pages(&mut self, from: PoolKind, to: PoolKind, n: u64) {
+        self.stats
+            .reserved_bytes
+            .transfer(from, to, (n * self.page) as i64);
+        self.stats.segment.transfer(from, to, n as i64);
+    }
+
+    /// Takes up to `max` interior pages of the free mapped block at `addr` of arena `src`
+    /// for mapping elsewhere, counting them in pool `to`. Their range here becomes lent: it
+    /// stays mapped, for a later reuse.
+    pub(super) fn lend_pages(
+        &mut self,
+        src: u32,
+        addr: u64,
+        max: u64,
+        to: PoolKind,
+    ) -> Vec<PhysHandle> {
+        let now = self.now;
+        let (_, handles) = self.with_arena(src, |a| a.take_pages(addr, max, Take::Lend(now)));
+        let kind = self.arenas[src as usize].key.kind;
+        self.move_pages(kind, to, handles.len() as u64);
+        for h in &handles {
+            self.book.home.remove(h);
+        }
+        handles
+    }
+
+    /// Maps `pages` at `start` in arena `aid` and grants access with one call.
+    pub(super) fn map_pages<D: Device>(
+        &mut self,
+        dev: &D,
+        aid: u32,
+        start: u64,
+        pages: Vec<(PhysHandle, bool)>,
+    ) -> Result<()> {
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let p = self.page;
+        let kind = self.arenas[aid as usize].key.kind;
+        let n = pages.len() as u64;
+        for (i, &(h, stitched)) in pages.iter().enumerate() {
+            let va = start + i as u64 * p;
+            if let Err(e) = drv!(self, map, dev.map(va, p as usize, h)) {
+                self.unmap_failed_range(dev, aid, start, i as u64, &pages);
+                return Err(e.into());
+            }
+            self.arenas[aid as usize].insert_page(
+                va,
+                Page {
+                    handle: h,
+                    stitched,
+                },
+            );
+            self.book.home.insert(h, (aid, va));
+            if !stitched {
+                self.book.primary.insert(h, (aid, va));
+            }
+        }
+        if let Err(e) = drv!(self, set_access, dev.set_access(start, (n * p) as usize)) {
+            self.unmap_failed_range(dev, aid, start, n, &pages);
+            return Err(e.into());
+        }
+        // Pages are counted in the large pool while they are mapped nowhere.
+        self.move_pages(PoolKind::Large, kind, n);
+        let stream = self.arenas[aid as usize].key.stream;
+        self.trace(TraceAction::SegmentMap, start, n * p, stream);
+        Ok(())
+    }
+
+    /// Undoes the first `mapped` maps of a failed `map_pages`; the pages become spares.
+    pub(super) fn unmap_failed_range<D: Device>(
+        &mut self,
+        dev: &D,
+        aid: u32,
+        start: u64,
+        mapped: u64,
+        pages: &[(PhysHandle, bool)],
+    ) {
+        for i in 0..mapped {
+            let va = start + i * self.page;
+            let _ = drv!(self, unmap, dev.unmap(va, self.page as usize));
+            if let Some(p) = self.arenas[aid as usize].remove_page(va) {
+                self.book.home.remove(&p.handle);
+            }
+        }
+        self.book.spare.extend(pages.iter().map(|p| p.0));
+    }
+
+    /// Sends the stitched pages among the whole pages of the free block [addr, addr + size)
+    /// of arena `aid` back where they were first mapped, when that mapping is still kept as
+    /// an alias, is of the same stream (stream order protects the move) and is in no live
+    /// graph pool. No driver call: the pages' ranges here become lent.
+    pub(super) fn return_home(&mut self, aid: u32, addr: u64, size: u64) -> Result<()> {
+        let here = self.arenas[aid as usize].key;
+        if !self.pool_may_give(&self.arenas[aid as usize]) {
+            return Ok(());
+        }
+        let now = self.now;
+        for (va, h) in self.arenas[aid as usize].stitched_pages(addr, size) {
+            let Some(&(p, pva)) = self.book.primary.get(&h) else {
+                continue;
+            };
+            let home = &self.arenas[p as usize];
+            if home.key.stream != here.stream
+                || !self.pool_may_give(home)
+                || home.lent_at(pva) != Some(h)
+                || !self.arenas[aid as usize].page_is_free(va)
+            {
+                continue;
+            }
+            if self.with_arena(aid, |a| a.lend_page_at(va, now)) != Some(h) {
+                return Err(Error::InvalidState(format!(
+                    "page {h:?} at {va:#x} could not be lent"
+                )));
+            }
+            self.with_arena(p, |a| a.claim_lent(pva, now, false));
+            self.book.home.insert(h, (p, pva));
+            let pkind = self.arenas[p as usize].key.kind;
+            self.move_pages(here.kind, pkind, 1);
+        }
+        Ok(())
+    }
+
+    /// Kept aliases at (arena, va) of `handles` are going away: a page whose first mapping
+    /// was one of them is, from now on, first mapped where it is active.
+    pub(super) fn forget_primaries(&mut self, gone: &[(u32, u64, PhysHandle)]) {
+        for &(aid, va, h) in gone {
+            if self.book.primary.get(&h) == Some(&(aid, va)) {
+                match self.book.home.get(&h).copied() {
+                    Some((x, hva)) => {
+                        self.book.primary.insert(h, (x, hva));
+                        self.arenas[x as usize].set_stitched(hva, false);
+                    }
+                    None => {
+                        self.book.primary.remove(&h);
+                    }
+                }
+            }
+        }
+    }
+}

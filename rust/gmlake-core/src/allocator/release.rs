@@ -1,0 +1,155 @@
+//! Returning memory: empty_cache, autoGC, and evicting kept aliases.
+
+use super::*;
+
+impl State {
+    /// After a stitch: if more than autoGC bytes sit in free mapped blocks, retire the
+    /// largest cached ranges (and every alias of their pages) for release until below the
+    /// threshold.
+    pub(super) fn maybe_auto_gc<D: Device>(&mut self, dev: &D) -> Result<()> {
+        let Some(limit) = self.cfg.auto_gc_bytes else {
+            return Ok(());
+        };
+        let cached = |s: &State| s.arenas.iter().map(|a| a.free_mapped_bytes).sum::<u64>();
+        let mut batch = RetiredBatch::default();
+        while cached(self) > limit {
+            let Some((src, addr, _)) = self.largest_source(
+                self.arenas
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, a)| a.stealable_pages > 0 && self.pool_may_give(a)),
+                &|_, _| false,
+            ) else {
+                break;
+            };
+            let (start, handles) =
+                self.with_arena(src, |a| a.take_pages(addr, u64::MAX, Take::Retire));
+            if handles.is_empty() {
+                break;
+            }
+            let kind = self.arenas[src as usize].key.kind;
+            self.move_pages(kind, PoolKind::Large, handles.len() as u64);
+            for h in &handles {
+                self.book.home.remove(h);
+            }
+            batch.ranges.push((src, start, handles.len() as u64));
+            batch.release.extend(handles);
+        }
+        if !batch.release.is_empty() {
+            // A page is released only once every mapping of it is gone: its aliases too.
+            let doomed: FxHashSet<PhysHandle> = batch.release.iter().copied().collect();
+            for aid in 0..self.arenas.len() as u32 {
+                let aliases = self.arenas[aid as usize].lent_matching(|h| doomed.contains(&h));
+                for (va, _) in aliases {
+                    self.with_arena(aid, |a| a.retire_lent(va, 1));
+                    batch.ranges.push((aid, va, 1));
+                }
+            }
+        }
+        self.record_retired(dev, batch)
+    }
+
+    /// Pages of aliases that may be kept: `max_aliases` times the pages held, and at least
+    /// 8 GiB of them (so small jobs are not bound by a handful of pages); 0 keeps none.
+    fn alias_cap(&self) -> u64 {
+        if self.cfg.max_aliases <= 0.0 {
+            return 0;
+        }
+        let by_ratio = (self.book.physical as f64 * self.cfg.max_aliases) as u64;
+        by_ratio.max((8u64 << 30) / self.page)
+    }
+
+    /// Unmaps the oldest kept aliases (behind an event on their stream: a kernel queued
+    /// before the page was lent may still use the old address) while more are kept than
+    /// `alias_cap` allows.
+    pub(super) fn enforce_alias_limit<D: Device>(&mut self, dev: &D) -> Result<()> {
+        let lent: u64 = self.arenas.iter().map(Arena::lent_pages).sum();
+        let cap = self.alias_cap();
+        if lent <= cap {
+            return Ok(());
+        }
+        let mut excess = lent - cap;
+        let mut batch = RetiredBatch::default();
+        while excess > 0 {
+            let oldest = self
+                .arenas
+                .iter()
+                .enumerate()
+                .filter_map(|(i, a)| a.oldest_lent().map(|(t, addr, n)| (t, i as u32, addr, n)))
+                .min();
+            let Some((_, aid, addr, n)) = oldest else {
+                break;
+            };
+            let k = n.min(excess);
+            let got = self.with_arena(aid, |a| a.retire_lent(addr, k));
+            if got.is_empty() {
+                break;
+            }
+            let gone: Vec<(u32, u64, PhysHandle)> = got
+                .iter()
+                .enumerate()
+                .map(|(i, &h)| (aid, addr + i as u64 * self.page, h))
+                .collect();
+            self.forget_primaries(&gone);
+            batch.ranges.push((aid, addr, k));
+            self.stats.alias_evictions += k;
+            excess -= k;
+        }
+        self.record_retired(dev, batch)
+    }
+
+    /// Handles that some lent block still maps (O(aliases); for rare paths).
+    pub(super) fn aliased_handles(&self) -> FxHashSet<PhysHandle> {
+        self.arenas
+            .iter()
+            .flat_map(|a| a.lent_matching(|_| true))
+            .map(|(_, h)| h)
+            .collect()
+    }
+
+    /// empty_cache: after waiting for the device, every alias is unmapped, every free page
+    /// goes back to the device and empty virtual chunks are freed.
+    pub(super) fn release_cached<D: Device>(&mut self, dev: &D) -> Result<()> {
+        self.synchronize_all(dev)?;
+        self.flush_quick()?;
+        for aid in 0..self.arenas.len() as u32 {
+            let aliases = self.with_arena(aid, Arena::drain_lent);
+            for &(va, _) in &aliases {
+                drv!(self, unmap, dev.unmap(va, self.page as usize))?;
+            }
+            let gone: Vec<(u32, u64, PhysHandle)> =
+                aliases.into_iter().map(|(va, h)| (aid, va, h)).collect();
+            self.forget_primaries(&gone);
+        }
+        for h in std::mem::take(&mut self.book.spare) {
+            self.release_page(dev, h)?;
+        }
+        for aid in 0..self.arenas.len() as u32 {
+            if !self.pool_may_give(&self.arenas[aid as usize]) {
+                continue;
+            }
+            let key = self.arenas[aid as usize].key;
+            while let Some((_, addr)) = self.arenas[aid as usize].largest() {
+                let (start, handles) =
+                    self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, Take::Unmap));
+                let n = handles.len() as u64;
+                self.move_pages(key.kind, PoolKind::Large, n);
+                for (i, h) in handles.into_iter().enumerate() {
+                    drv!(
+                        self,
+                        unmap,
+                        dev.unmap(start + i as u64 * self.page, self.page as usize)
+                    )?;
+                    self.book.home.remove(&h);
+                    self.release_page(dev, h)?;
+                }
+                self.trace(TraceAction::SegmentUnmap, start, n * self.page, key.stream);
+            }
+            for (start, len) in self.arenas[aid as usize].drain_empty_chunks() {
+                drv!(self, free_va, dev.free_va(start, len as usize))?;
+                self.chunk_owner.remove(&start);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,209 @@
+//! Stream synchronisation: fences, pending frees (record_stream), retired ranges waiting
+//! to be unmapped, and the event pool.
+
+use super::*;
+
+pub(super) struct PendingFree {
+    pub ptr: DevicePtr,
+    /// Empty while a graph capture prevented recording them.
+    pub events: Vec<EventHandle>,
+}
+
+/// (arena, first page address, pages) of a retired range.
+type RetiredRange = (u32, u64, u64);
+
+/// Retired ranges (still mapped on the device), unmapped once every event, one recorded on
+/// each stream that may still use them, completes.
+#[derive(Default)]
+pub(super) struct RetiredBatch {
+    pub events: Vec<EventHandle>,
+    pub ranges: Vec<RetiredRange>,
+    /// Handles to release after the unmap (garbage collection); empty for evicted aliases,
+    /// whose pages live on elsewhere.
+    pub release: Vec<PhysHandle>,
+}
+
+#[derive(Default)]
+pub(super) struct Fence {
+    pub pending: Option<(EventHandle, u64)>,
+    /// Every free on the stream stamped at or before this has completed on the GPU.
+    pub completed: u64,
+}
+
+impl State {
+    /// Completes fences whose events are done and records new ones on streams whose free
+    /// blocks are not yet fenced.
+    pub(super) fn refresh_fences<D: Device>(&mut self, dev: &D, stream: StreamId) -> Result<()> {
+        let mut streams: Vec<(StreamId, u64)> = Vec::new();
+        for a in &self.arenas {
+            if a.key.stream != stream && a.stealable_pages > 0 && self.pool_may_give(a) {
+                match streams.iter_mut().find(|s| s.0 == a.key.stream) {
+                    Some(s) => s.1 = s.1.max(a.last_free),
+                    None => streams.push((a.key.stream, a.last_free)),
+                }
+            }
+        }
+        for (s, last_free) in streams {
+            let fence = self.fences.entry(s).or_default();
+            if fence.completed >= last_free {
+                continue;
+            }
+            if let Some((e, stamp)) = fence.pending {
+                if drv!(self, query_event, dev.query_event(e))? {
+                    let f = self.fences.entry(s).or_default();
+                    f.completed = stamp;
+                    f.pending = None;
+                    self.event_pool.push(e);
+                }
+            }
+            let f = self.fences.entry(s).or_default();
+            if f.pending.is_none() && f.completed < last_free {
+                let e = self.get_event(dev)?;
+                drv!(self, record_event, dev.record_event(e, s))?;
+                let f = self.fences.entry(s).or_default();
+                f.pending = Some((e, self.now));
+                // A device whose events complete at once (or already idle) fences now.
+                if drv!(self, query_event, dev.query_event(e))? {
+                    let f = self.fences.entry(s).or_default();
+                    f.completed = self.now;
+                    f.pending = None;
+                    self.event_pool.push(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An event from the pool, or a new one.
+    pub(super) fn get_event<D: Device>(&mut self, dev: &D) -> Result<EventHandle> {
+        match self.event_pool.pop() {
+            Some(e) => Ok(e),
+            None => Ok(drv!(self, create_event, dev.create_event())?),
+        }
+    }
+
+    /// Queues a retired batch behind an event recorded now on the stream of every arena it
+    /// has a range in.
+    pub(super) fn record_retired<D: Device>(&mut self, dev: &D, mut b: RetiredBatch) -> Result<()> {
+        if b.ranges.is_empty() && b.release.is_empty() {
+            return Ok(());
+        }
+        let mut streams: Vec<StreamId> = b
+            .ranges
+            .iter()
+            .map(|r| self.arenas[r.0 as usize].key.stream)
+            .collect();
+        streams.sort_unstable();
+        streams.dedup();
+        for s in streams {
+            let e = self.get_event(dev)?;
+            b.events.push(e);
+            drv!(self, record_event, dev.record_event(e, s))?;
+        }
+        self.retired.push_back(b);
+        Ok(())
+    }
+
+    /// Records a pooled event on each other stream that used the live block at `ptr`.
+    pub(super) fn record_on_extra_streams<D: Device>(
+        &mut self,
+        dev: &D,
+        ptr: DevicePtr,
+    ) -> Result<Vec<EventHandle>> {
+        let streams = self
+            .live
+            .get(&ptr)
+            .map(|b| b.extra.clone())
+            .unwrap_or_default();
+        let mut events = Vec::with_capacity(streams.len());
+        for s in streams {
+            let e = self.get_event(dev)?;
+            drv!(self, record_event, dev.record_event(e, s))?;
+            events.push(e);
+        }
+        Ok(events)
+    }
+
+    /// Completes pending frees whose events are done, in order (all of them if `all`,
+    /// after a device synchronisation).
+    pub(super) fn process_pending<D: Device>(&mut self, dev: &D, all: bool) -> Result<()> {
+        while let Some(p) = self.pending.front_mut() {
+            if p.events.is_empty() && !all {
+                // Deferred by a capture: record the events now.
+                let ptr = p.ptr;
+                let events = self.record_on_extra_streams(dev, ptr)?;
+                if let Some(p) = self.pending.front_mut() {
+                    p.events = events;
+                }
+            }
+            if !all {
+                let n = self.pending.front().map_or(0, |p| p.events.len());
+                for i in 0..n {
+                    let e = self.pending[0].events[i];
+                    if !drv!(self, query_event, dev.query_event(e))? {
+                        return Ok(());
+                    }
+                }
+            }
+            let p = self.pending.pop_front().expect("front exists");
+            self.event_pool.extend(p.events);
+            self.finish_free(p.ptr)?;
+        }
+        Ok(())
+    }
+
+    /// Unmaps retired ranges whose events are done (all of them if `all`).
+    pub(super) fn process_retired<D: Device>(&mut self, dev: &D, all: bool) -> Result<()> {
+        while let Some(b) = self.retired.front() {
+            if !all {
+                let events = b.events.clone();
+                let mut done = true;
+                for e in events {
+                    if !drv!(self, query_event, dev.query_event(e))? {
+                        done = false;
+                        break;
+                    }
+                }
+                if !done {
+                    break;
+                }
+            }
+            let b = self.retired.pop_front().expect("front exists");
+            for &(aid, start, n) in &b.ranges {
+                for i in 0..n {
+                    drv!(
+                        self,
+                        unmap,
+                        dev.unmap(start + i * self.page, self.page as usize)
+                    )?;
+                }
+                self.with_arena(aid, |a| a.unretire(start));
+            }
+            for h in b.release {
+                self.release_page(dev, h)?;
+            }
+            self.event_pool.extend(b.events);
+        }
+        Ok(())
+    }
+
+    /// Waits for the device; then every fence, pending free and retired range completes.
+    pub(super) fn synchronize_all<D: Device>(&mut self, dev: &D) -> Result<()> {
+        if self.captures > 0 {
+            return Ok(());
+        }
+        drv!(self, synchronize, dev.synchronize())?;
+        self.stats.num_sync_all_streams += 1;
+        let now = self.now;
+        let mut freed = Vec::new();
+        for f in self.fences.values_mut() {
+            if let Some((e, _)) = f.pending.take() {
+                freed.push(e);
+            }
+            f.completed = now;
+        }
+        self.event_pool.extend(freed);
+        self.process_pending(dev, true)?;
+        self.process_retired(dev, true)
+    }
+}
