@@ -517,43 +517,20 @@ impl Arena {
         Some(addr)
     }
 
-    /// Moves every quick block into the coalesced free mapped blocks. Returns the flushed
-    /// blocks that hold stitched pages (pages whose first mapping is elsewhere), as (addr,
-    /// size), for the allocator to send those pages home.
-    pub fn flush_quick(&mut self) -> Vec<(u64, u64)> {
-        let mut stitched = Vec::new();
+    /// Moves every quick block into the coalesced free mapped blocks.
+    pub fn flush_quick(&mut self) {
         if self.quick_len == 0 {
-            return stitched;
+            return;
         }
         let quick = std::mem::take(&mut self.quick);
         for Reverse(addr) in quick.into_values().flatten() {
             if let Some(b) = self.take(addr) {
                 if let BlockState::Quick { freed } = b.state {
-                    let (first, n) = self.interior(addr, b.size);
-                    if n > 0
-                        && self
-                            .pages
-                            .range(first..first + n * self.page)
-                            .any(|(_, p)| p.stitched)
-                    {
-                        stitched.push((addr, b.size));
-                    }
                     self.insert_free_mapped(addr, b.size, freed, b.chunk);
                 }
             }
         }
         self.quick_len = 0;
-        stitched
-    }
-
-    /// Stitched pages among the whole pages of [addr, addr + size): (va, handle).
-    pub fn stitched_pages(&self, addr: u64, size: u64) -> Vec<(u64, PhysHandle)> {
-        let (first, n) = self.interior(addr, size);
-        self.pages
-            .range(first..first + n * self.page)
-            .filter(|(_, p)| p.stitched)
-            .map(|(&v, p)| (v, p.handle))
-            .collect()
     }
 
     /// Marks the active page at `va` stitched (first mapped elsewhere) or not.

@@ -836,15 +836,9 @@ impl State {
         Ok(())
     }
 
-    /// Coalesces arena `aid`'s quick blocks; the stitched pages of the flushed blocks go
-    /// home (see `pages::return_home`), so that free memory rests in its first layout and
-    /// the next step's requests find the ranges they had, and stitched views stay lent for
-    /// reuse.
+    /// Coalesces arena `aid`'s quick blocks.
     fn flush_arena(&mut self, aid: u32) -> Result<()> {
-        let stitched = self.with_arena(aid, Arena::flush_quick);
-        for (addr, size) in stitched {
-            self.return_home(aid, addr, size)?;
-        }
+        self.with_arena(aid, Arena::flush_quick);
         Ok(())
     }
 

@@ -550,41 +550,6 @@ impl State {
         self.book.spare.extend(pages.iter().map(|p| p.0));
     }
 
-    /// Sends the stitched pages among the whole pages of the free block [addr, addr + size)
-    /// of arena `aid` back where they were first mapped, when that mapping is still kept as
-    /// an alias, is of the same stream (stream order protects the move) and is in no live
-    /// graph pool. No driver call: the pages' ranges here become lent.
-    pub(super) fn return_home(&mut self, aid: u32, addr: u64, size: u64) -> Result<()> {
-        let here = self.arenas[aid as usize].key;
-        if !self.pool_may_give(&self.arenas[aid as usize]) {
-            return Ok(());
-        }
-        let now = self.now;
-        for (va, h) in self.arenas[aid as usize].stitched_pages(addr, size) {
-            let Some(&(p, pva)) = self.book.primary.get(&h) else {
-                continue;
-            };
-            let home = &self.arenas[p as usize];
-            if home.key.stream != here.stream
-                || !self.pool_may_give(home)
-                || home.lent_at(pva) != Some(h)
-                || !self.arenas[aid as usize].page_is_free(va)
-            {
-                continue;
-            }
-            if self.with_arena(aid, |a| a.lend_page_at(va, now)) != Some(h) {
-                return Err(Error::InvalidState(format!(
-                    "page {h:?} at {va:#x} could not be lent"
-                )));
-            }
-            self.with_arena(p, |a| a.claim_lent(pva, now, false));
-            self.book.home.insert(h, (p, pva));
-            let pkind = self.arenas[p as usize].key.kind;
-            self.move_pages(here.kind, pkind, 1);
-        }
-        Ok(())
-    }
-
     /// Kept aliases at (arena, va) of `handles` are going away: a page whose first mapping
     /// was one of them is, from now on, first mapped where it is active.
     pub(super) fn forget_primaries(&mut self, gone: &[(u32, u64, PhysHandle)]) {
