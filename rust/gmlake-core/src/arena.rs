@@ -115,6 +115,8 @@ pub(crate) struct Arena {
     lent: BTreeMap<u64, PhysHandle>,
     /// Lent blocks by (since, addr): oldest first, for eviction.
     lent_age: BTreeSet<(u64, u64)>,
+    /// Lent blocks by address, for the reuse scan.
+    lent_addrs: BTreeSet<u64>,
     /// size -> quick blocks of that size, lowest address first (as best fit would pick).
     quick: rustc_hash::FxHashMap<u64, BinaryHeap<Reverse<u64>>>,
     quick_len: usize,
@@ -143,6 +145,7 @@ impl Arena {
             pages: BTreeMap::new(),
             lent: BTreeMap::new(),
             lent_age: BTreeSet::new(),
+            lent_addrs: BTreeSet::new(),
             quick: rustc_hash::FxHashMap::default(),
             quick_len: 0,
             free_mapped_bytes: 0,
@@ -186,6 +189,7 @@ impl Arena {
             BlockState::Retired => self.retired_blocks += 1,
             BlockState::Lent { since } => {
                 self.lent_age.insert((since, addr));
+                self.lent_addrs.insert(addr);
             }
             BlockState::FreeUnmapped { ext } => {
                 self.unmapped.insert((ext, addr));
@@ -216,6 +220,7 @@ impl Arena {
             BlockState::Retired => self.retired_blocks -= 1,
             BlockState::Lent { since } => {
                 self.lent_age.remove(&(since, addr));
+                self.lent_addrs.remove(&addr);
             }
             BlockState::FreeUnmapped { ext } => {
                 self.unmapped.remove(&(ext, addr));
@@ -725,15 +730,17 @@ impl Arena {
         Some((since, addr, b.size / self.page))
     }
 
+    /// Addresses of lent blocks at or after `from`, in address order.
+    pub fn lent_from(&self, from: u64) -> impl Iterator<Item = u64> + '_ {
+        self.lent_addrs.range(from..).copied()
+    }
+
     /// Lent blocks as (addr, bytes), in address order.
     pub fn lent_blocks(&self) -> Vec<(u64, u64)> {
-        let mut v: Vec<(u64, u64)> = self
-            .lent_age
+        self.lent_addrs
             .iter()
-            .filter_map(|&(_, a)| self.blocks.get(&a).map(|b| (a, b.size)))
-            .collect();
-        v.sort_unstable();
-        v
+            .filter_map(|&a| self.blocks.get(&a).map(|b| (a, b.size)))
+            .collect()
     }
 
     /// Number of lent pages (aliases) held.
@@ -985,7 +992,10 @@ impl Arena {
                 return Err(format!("I1: chunk {start:#x} not fully covered"));
             }
         }
-        if lent_pages != self.lent.len() as u64 || lent_blocks != self.lent_age.len() {
+        if lent_pages != self.lent.len() as u64
+            || lent_blocks != self.lent_age.len()
+            || lent_blocks != self.lent_addrs.len()
+        {
             return Err(format!(
                 "I5: {} lent pages in {} blocks indexed, {lent_pages} in {lent_blocks} found",
                 self.lent.len(),

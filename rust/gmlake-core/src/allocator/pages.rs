@@ -33,7 +33,7 @@ pub(super) struct Reuse {
 /// Lent pages a miss examines at most when looking for a range to reuse: bounds the cost of
 /// a miss when many aliases are kept and few are free (random lifetimes); periodic jobs
 /// find their ranges well within it.
-const MAX_REUSE_CHECKS: u64 = 16_384;
+const MAX_REUSE_CHECKS: u64 = 4_096;
 
 impl State {
     /// Finds `n` pages for arena `aid`: spare pages, then stitching and new memory in the
@@ -370,16 +370,14 @@ impl State {
         // once (`scanned` is the end of the last one walked).
         let mut scanned = 0u64;
         let mut checked = 0u64;
-        for (laddr, _) in arena.lent_blocks() {
-            if laddr < scanned {
-                continue;
-            }
+        while let Some(laddr) = arena.lent_from(scanned).next() {
             let region = arena.reuse_region(laddr);
+            checked += region.len() as u64;
             let (Some(&(rstart, _)), Some(&(last, lb))) = (region.first(), region.last()) else {
                 continue;
             };
             let rend = last + lb.size;
-            scanned = rend;
+            scanned = rend.max(laddr + 1);
             if rend - rstart < size {
                 continue;
             }
