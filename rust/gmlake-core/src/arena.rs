@@ -730,6 +730,39 @@ impl Arena {
         Some((since, addr, b.size / self.page))
     }
 
+    /// When the lent block holding `va` was lent (its latest lending, if merged).
+    pub fn lent_since(&self, va: u64) -> Option<u64> {
+        match self.block_containing(va)? {
+            (
+                _,
+                Block {
+                    state: BlockState::Lent { since },
+                    ..
+                },
+            ) => Some(since),
+            _ => None,
+        }
+    }
+
+    /// Interior pages of the free mapped blocks that start in [lo, hi).
+    pub fn free_interior_in(&self, lo: u64, hi: u64) -> u64 {
+        self.blocks
+            .range(lo..hi)
+            .filter(|(_, b)| matches!(b.state, BlockState::FreeMapped { .. }))
+            .map(|(&a, b)| self.interior(a, b.size).1)
+            .sum()
+    }
+
+    /// The lent page at `va` is to be unmapped now (the caller unmaps it before releasing
+    /// its lock): it becomes unmapped free space. Returns its handle.
+    pub fn unmap_lent_page(&mut self, va: u64) -> Option<PhysHandle> {
+        let (_, b, _) = self.split_lent(va, self.page)?;
+        let h = self.lent.remove(&va)?;
+        self.insert_free_unmapped(va, self.page, b.chunk);
+        self.refresh_ext(va + self.page);
+        Some(h)
+    }
+
     /// Addresses of lent blocks at or after `from`, in address order.
     pub fn lent_from(&self, from: u64) -> impl Iterator<Item = u64> + '_ {
         self.lent_addrs.range(from..).copied()

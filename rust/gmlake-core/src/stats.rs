@@ -170,6 +170,9 @@ pub struct DeviceStats {
     /// all free, and the pages taken back for them.
     pub stitch_reuses: u64,
     pub pages_reused: u64,
+    /// Kept aliases unmapped and refilled with another page, to reuse a range whose other
+    /// pages were free.
+    pub aliases_replaced: u64,
     /// Kept mappings unmapped because there were more than `max_aliases` allowed.
     pub alias_evictions: u64,
     /// Bytes of kept aliases (virtual ranges still mapped onto pages active elsewhere).
@@ -208,6 +211,7 @@ impl DeviceStats {
         self.stitch_reuses = 0;
         self.pages_reused = 0;
         self.alias_evictions = 0;
+        self.aliases_replaced = 0;
         self.driver_calls = DriverCalls::default();
     }
 

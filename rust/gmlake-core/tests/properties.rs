@@ -39,16 +39,20 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn config() -> impl Strategy<Value = Config> {
-    (0u32..3, 0usize..3, prop::bool::ANY).prop_map(|(level, strategy, small_frag)| Config {
-        defrag_level: level,
-        stitch_strategy: [
-            StitchStrategy::BestFit,
-            StitchStrategy::LargestFirst,
-            StitchStrategy::Lru,
-        ][strategy],
-        frag_limit: if small_frag { 4 << 20 } else { 0 },
-        ..Config::default()
-    })
+    (0u32..3, 0usize..3, prop::bool::ANY, 0usize..3).prop_map(
+        |(level, strategy, small_frag, aliases)| Config {
+            defrag_level: level,
+            stitch_strategy: [
+                StitchStrategy::BestFit,
+                StitchStrategy::LargestFirst,
+                StitchStrategy::Lru,
+            ][strategy],
+            frag_limit: if small_frag { 4 << 20 } else { 0 },
+            // No kept aliases, the default, and a bound small enough to evict often.
+            max_aliases: [0.0, 4.0, 0.01][aliases],
+            ..Config::default()
+        },
+    )
 }
 
 /// Checks overlap, aliasing and mapping of the live allocations.
@@ -147,6 +151,59 @@ fn cases() -> u32 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(500)
+}
+
+/// A long seeded sequence of the same operations, checked after every step, that must
+/// exercise the paths random short sequences reach only sometimes: reusing kept mappings
+/// with no driver call, and replacing busy aliases.
+#[test]
+fn long_sequence_reuses_and_replaces_aliases() {
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut ops = Vec::new();
+    for _ in 0..4000 {
+        let r = next();
+        ops.push(match r % 10 {
+            0..=3 => Op::Alloc {
+                size: (1 << 20) + (next() % (30 << 20)),
+                stream: 0,
+            },
+            4 => Op::Alloc {
+                size: 1 + next() % (1 << 20),
+                stream: 0,
+            },
+            5..=8 => Op::Free(next() as usize),
+            _ => Op::Complete,
+        });
+    }
+    let dev = Arc::new(SimDevice::new(48 * PAGE).asynchronous());
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let mut live: Vec<(u64, u64)> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Alloc { size, stream } => match a.allocate(size, stream) {
+                Ok(p) => live.push((p, size)),
+                Err(Error::OutOfMemory(_)) => {}
+                Err(e) => panic!("alloc failed: {e}"),
+            },
+            Op::Free(i) if !live.is_empty() => {
+                let (p, _) = live.swap_remove(i % live.len());
+                a.free(p).unwrap();
+            }
+            Op::Complete => dev.complete_all(),
+            _ => {}
+        }
+        a.verify().unwrap();
+        check_live(&dev, &live).unwrap();
+    }
+    let s = a.stats();
+    assert!(s.stitch_reuses > 0 && s.pages_reused > 0, "{s:?}");
+    assert!(s.aliases_replaced > 0, "{s:?}");
 }
 
 proptest! {

@@ -101,6 +101,7 @@ pub fn stats(s: &DeviceStats, extra: &[(&str, u64)]) -> String {
     o.num("gmlake.stitch_reuses", s.stitch_reuses);
     o.num("gmlake.pages_reused", s.pages_reused);
     o.num("gmlake.alias_evictions", s.alias_evictions);
+    o.num("gmlake.aliases_replaced", s.aliases_replaced);
     o.num("gmlake.aliased_bytes", s.aliased_bytes);
     o.num("gmlake.cached_bytes", s.cached_bytes);
     o.num("gmlake.retired_bytes", s.retired_bytes);

@@ -758,10 +758,11 @@ impl State {
             // A kept mapping whose pages are all free: no driver call.
             if self.cfg.may_stitch(size) {
                 if let Some(r) = self.find_reuse(aid, size) {
-                    self.apply_reuse(aid, &r)?;
-                    let now = self.now;
-                    self.with_arena(aid, |a| a.carve(r.start, size, now));
-                    return Ok(r.start);
+                    if self.apply_reuse(dev, aid, &r, size)? {
+                        let now = self.now;
+                        self.with_arena(aid, |a| a.carve(r.start, size, now));
+                        return Ok(r.start);
+                    }
                 }
             }
         }
@@ -780,7 +781,7 @@ impl State {
                     }
                 }
             };
-            let exclude = placement.neighbours;
+            let exclude = (placement.start, placement.start + size);
             match self.acquire_pages(dev, placement.map_pages, aid, size, attempt, exclude)? {
                 Some(pages) => {
                     self.map_pages(dev, aid, placement.map_start, pages)?;

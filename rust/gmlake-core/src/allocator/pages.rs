@@ -21,13 +21,18 @@ pub(super) struct PageBook {
     pub primary: FxHashMap<PhysHandle, (u32, u64)>,
 }
 
+/// Free blocks of the target arena that start in [lo, hi) give no pages: the request being
+/// served covers them.
+pub(super) type Exclude = (u64, u64);
+
 /// A range that a miss can take with no driver call: free mapped blocks and lent pages
 /// whose physical pages are free where they are active.
 pub(super) struct Reuse {
     pub start: u64,
-    pub len: u64,
     /// Lent pages to take back: (address here, handle).
     pub lent: Vec<(u64, PhysHandle)>,
+    /// Lent pages whose physical page is busy elsewhere: unmapped, and refilled.
+    pub replace: Vec<u64>,
 }
 
 /// Lent pages a miss examines at most when looking for a range to reuse: bounds the cost of
@@ -46,7 +51,7 @@ impl State {
         aid: u32,
         size: u64,
         attempt: usize,
-        exclude: [Option<u64>; 2],
+        exclude: Exclude,
     ) -> Result<Option<Vec<(PhysHandle, bool)>>> {
         let mut out: Vec<(PhysHandle, bool)> = Vec::with_capacity(n as usize);
         while (out.len() as u64) < n {
@@ -165,22 +170,17 @@ impl State {
         dev: &D,
         aid: u32,
         want: u64,
-        exclude: [Option<u64>; 2],
+        exclude: Exclude,
     ) -> Result<u64> {
         let target = self.arenas[aid as usize].key;
-        let a = &self.arenas[aid as usize];
-        let excluded: u64 = exclude
-            .iter()
-            .flatten()
-            .map(|&x| a.block(x).map_or(0, |b| a.interior(x, b.size).1))
-            .sum();
+        let excluded = self.arenas[aid as usize].free_interior_in(exclude.0, exclude.1);
         let same: u64 = self
             .arenas
             .iter()
             .filter(|a| a.key.stream == target.stream && self.pool_may_give(a))
             .map(|a| a.stealable_pages)
             .sum::<u64>()
-            - excluded;
+            .saturating_sub(excluded);
         if same >= want {
             return Ok(same);
         }
@@ -215,10 +215,10 @@ impl State {
         &self,
         aid: u32,
         need: u64,
-        exclude: [Option<u64>; 2],
+        exclude: Exclude,
     ) -> Option<(u32, u64, u64)> {
         let target = self.arenas[aid as usize].key.stream;
-        let skip = |i: usize, addr: u64| i == aid as usize && exclude.contains(&Some(addr));
+        let skip = |i: usize, addr: u64| i == aid as usize && addr >= exclude.0 && addr < exclude.1;
         let candidates = self
             .arenas
             .iter()
@@ -302,7 +302,7 @@ impl State {
         dev: &D,
         k: u64,
         aid: u32,
-        exclude: [Option<u64>; 2],
+        exclude: Exclude,
     ) -> Result<Vec<PhysHandle>> {
         let target_kind = self.arenas[aid as usize].key.kind;
         let mut got: Vec<PhysHandle> = Vec::with_capacity(k as usize);
@@ -346,93 +346,129 @@ impl State {
         self.may_give(a, stream) && a.page_is_free(va)
     }
 
-    /// The range of arena `aid` that `size` bytes can take with no driver call: a run of free
-    /// mapped blocks and lent pages whose physical pages are free where they are active, the
-    /// shortest such run that fits (best fit). Only the lent pages under the first `size`
-    /// bytes are listed for taking back. O(lent pages of the arena).
+    /// The range of arena `aid` that `size` bytes should take among its kept mappings: a
+    /// window of free mapped blocks and lent pages. Lent pages whose physical page is free
+    /// where it is active are taken back with no driver call; lent pages whose page is in
+    /// use elsewhere (*busy*) can be replaced: the alias unmapped and another page mapped
+    /// there. The window with the fewest busy pages wins (then the fewest pages to move);
+    /// one with busy pages only if they are at most a quarter of its pages (replacing one
+    /// costs about two fresh maps). O(lent blocks and pages of the arena), bounded.
     pub(super) fn find_reuse(&self, aid: u32, size: u64) -> Option<Reuse> {
         let arena = &self.arenas[aid as usize];
         let stream = arena.key.stream;
         let page = self.page;
-        let mut best: Option<Reuse> = None;
-        let close = |cur: &mut Option<Reuse>, best: &mut Option<Reuse>| {
-            if let Some(mut r) = cur.take() {
-                if r.len >= size
-                    && !r.lent.is_empty()
-                    && best.as_ref().is_none_or(|b| r.len < b.len)
-                {
-                    r.lent.retain(|&(va, _)| va < r.start + size);
-                    *best = Some(r);
-                }
-            }
-        };
-        // Lent blocks in address order; a region holds several, so each region is walked
-        // once (`scanned` is the end of the last one walked).
+        let mut best: Option<(u64, u64, u64)> = None; // (busy, moved, start)
+                                                      // Lent blocks in address order; a region holds several, so each region is walked
+                                                      // once (`scanned` is the end of the last one walked).
         let mut scanned = 0u64;
         let mut checked = 0u64;
         while let Some(laddr) = arena.lent_from(scanned).next() {
+            if checked > MAX_REUSE_CHECKS {
+                break;
+            }
             let region = arena.reuse_region(laddr);
             checked += region.len() as u64;
             let (Some(&(rstart, _)), Some(&(last, lb))) = (region.first(), region.last()) else {
-                continue;
+                break;
             };
             let rend = last + lb.size;
             scanned = rend.max(laddr + 1);
             if rend - rstart < size {
                 continue;
             }
-            let mut cur: Option<Reuse> = None;
-            let mut taken: FxHashSet<PhysHandle> = FxHashSet::default();
-            if checked > MAX_REUSE_CHECKS {
-                break;
-            }
+            // Units: free mapped blocks (cost 0), lent pages: reusable (0) or busy (1).
+            let mut units: Vec<(u64, u64, u8)> = Vec::new(); // (addr, len, 0 free/1 reusable/2 busy)
             for (addr, b) in region {
                 if matches!(b.state, ArenaState::FreeMapped { .. }) {
-                    let r = cur.get_or_insert(Reuse {
-                        start: addr,
-                        len: 0,
-                        lent: Vec::new(),
-                    });
-                    r.len = addr + b.size - r.start;
+                    units.push((addr, b.size, 0));
                     continue;
                 }
                 checked += b.size / page;
                 for va in (addr..addr + b.size).step_by(page as usize) {
-                    // The window would be [start, start + size): a page active inside it
-                    // cannot be taken from there.
-                    let start = cur.as_ref().map_or(va, |r| r.start);
-                    let ok = arena.lent_at(va).filter(|&h| {
-                        !taken.contains(&h) && self.reusable(h, aid, stream, (start, start + size))
-                    });
-                    match ok {
-                        Some(h) => {
-                            taken.insert(h);
-                            let r = cur.get_or_insert(Reuse {
-                                start: va,
-                                len: 0,
-                                lent: Vec::new(),
-                            });
-                            r.len = va + page - r.start;
-                            r.lent.push((va, h));
-                        }
-                        None => {
-                            close(&mut cur, &mut best);
-                            taken.clear();
-                        }
-                    }
+                    let kind = match arena.lent_at(va) {
+                        Some(h) if self.reusable(h, aid, stream, (0, 0)) => 1,
+                        _ => 2,
+                    };
+                    units.push((va, page, kind));
                 }
             }
-            close(&mut cur, &mut best);
-            if best.as_ref().is_some_and(|b| b.len - size < page) {
+            // Windows start at each unit; two pointers keep the busy and moved counts.
+            let (mut j, mut busy, mut moved) = (0usize, 0u64, 0u64);
+            for i in 0..units.len() {
+                let ws = units[i].0;
+                if rend - ws < size {
+                    break;
+                }
+                while j < units.len() && units[j].0 < ws + size {
+                    match units[j].2 {
+                        1 => moved += 1,
+                        2 => busy += 1,
+                        _ => {}
+                    }
+                    j += 1;
+                }
+                let pages = size.div_ceil(page);
+                let better = best.is_none_or(|b| (busy, moved) < (b.0, b.1));
+                if moved + busy > 0 && busy * 4 <= pages && better {
+                    best = Some((busy, moved, ws));
+                }
+                match units[i].2 {
+                    1 => moved -= 1,
+                    2 => busy -= 1,
+                    _ => {}
+                }
+            }
+            if best.is_some_and(|b| b.0 == 0) {
                 break;
             }
         }
-        best
+        let (_, _, start) = best?;
+        // The window's lent pages, classified again with the exact window: a page active
+        // inside the window cannot be taken from there, so its alias is replaced.
+        let end = start + size;
+        let mut r = Reuse {
+            start,
+            lent: Vec::new(),
+            replace: Vec::new(),
+        };
+        let mut taken: FxHashSet<PhysHandle> = FxHashSet::default();
+        for va in (start & !(page - 1)..end).step_by(page as usize) {
+            if let Some(h) = arena.lent_at(va) {
+                if taken.insert(h) && self.reusable(h, aid, stream, (start, end)) {
+                    r.lent.push((va, h));
+                } else {
+                    r.replace.push(va);
+                }
+            }
+        }
+        Some(r)
     }
 
-    /// Takes back the lent pages of `r` from where they are active (which keep their
-    /// mappings as lent blocks): no driver call.
-    pub(super) fn apply_reuse(&mut self, aid: u32, r: &Reuse) -> Result<()> {
+    /// Makes the window of `r` mapped free space of arena `aid`: takes its reusable lent
+    /// pages back from where they are active (no driver call), and replaces its busy aliases
+    /// (unmap, then map a page found as for a stitch). False, with nothing changed, when a
+    /// busy alias may still be used by queued work (its stream's fence has not passed the
+    /// time it was lent); false too when no page can be had for a replaced alias (the window
+    /// is then left partly unmapped, which is a valid state).
+    pub(super) fn apply_reuse<D: Device>(
+        &mut self,
+        dev: &D,
+        aid: u32,
+        r: &Reuse,
+        size: u64,
+    ) -> Result<bool> {
+        let stream = self.arenas[aid as usize].key.stream;
+        if !r.replace.is_empty() {
+            let since = r
+                .replace
+                .iter()
+                .filter_map(|&va| self.arenas[aid as usize].lent_since(va))
+                .max()
+                .unwrap_or(0);
+            if !self.own_stream_done_since(dev, stream, since)? {
+                return Ok(false);
+            }
+        }
         let now = self.now;
         let kind = self.arenas[aid as usize].key.kind;
         for &(va, h) in &r.lent {
@@ -454,7 +490,27 @@ impl State {
         }
         self.stats.stitch_reuses += 1;
         self.stats.pages_reused += r.lent.len() as u64;
-        Ok(())
+        if r.replace.is_empty() {
+            return Ok(true);
+        }
+        let mut gone = Vec::with_capacity(r.replace.len());
+        for &va in &r.replace {
+            if let Some(h) = self.with_arena(aid, |a| a.unmap_lent_page(va)) {
+                drv!(self, unmap, dev.unmap(va, self.page as usize))?;
+                gone.push((aid, va, h));
+            }
+        }
+        self.forget_primaries(&gone);
+        self.stats.aliases_replaced += gone.len() as u64;
+        let n = r.replace.len() as u64;
+        let Some(pages) = self.acquire_pages(dev, n, aid, size, 0, (r.start, r.start + size))?
+        else {
+            return Ok(false);
+        };
+        for (&va, page) in r.replace.iter().zip(pages) {
+            self.map_pages(dev, aid, va, vec![page])?;
+        }
+        Ok(true)
     }
 
     /// Moves the count of `n` pages from pool `from` to pool `to` (pages mapped nowhere

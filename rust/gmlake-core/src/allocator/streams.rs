@@ -206,4 +206,49 @@ impl State {
         self.process_pending(dev, true)?;
         self.process_retired(dev, true)
     }
+
+    /// Whether all work queued on `stream` up to stamp `since` has completed, by the
+    /// stream's own fence (recorded now if none is pending, and queried).
+    pub(super) fn own_stream_done_since<D: Device>(
+        &mut self,
+        dev: &D,
+        stream: StreamId,
+        since: u64,
+    ) -> Result<bool> {
+        let f = self.fences.entry(stream).or_default();
+        if f.completed >= since {
+            return Ok(true);
+        }
+        if let Some((e, stamp)) = f.pending {
+            if drv!(self, query_event, dev.query_event(e))? {
+                let f = self.fences.entry(stream).or_default();
+                f.completed = stamp;
+                f.pending = None;
+                self.event_pool.push(e);
+                if stamp >= since {
+                    return Ok(true);
+                }
+            } else if stamp >= since {
+                return Ok(false);
+            }
+        }
+        if self
+            .fences
+            .get(&stream)
+            .is_some_and(|f| f.pending.is_some())
+        {
+            return Ok(false);
+        }
+        let e = self.get_event(dev)?;
+        drv!(self, record_event, dev.record_event(e, stream))?;
+        let stamp = self.now;
+        if drv!(self, query_event, dev.query_event(e))? {
+            let f = self.fences.entry(stream).or_default();
+            f.completed = stamp;
+            self.event_pool.push(e);
+            return Ok(stamp >= since);
+        }
+        self.fences.entry(stream).or_default().pending = Some((e, stamp));
+        Ok(false)
+    }
 }
