@@ -755,9 +755,18 @@ impl State {
         self.flush_quick()?;
         if self.captures == 0 {
             self.process_retired(dev, false)?;
-            // A kept mapping whose pages are all free: no driver call.
+            // A kept mapping whose pages are free: no driver call. One with busy pages, if
+            // replacing them (an unmap and a map each) costs less than mapping a new range
+            // (a map each, after the free block it starts at), and they are at most a
+            // quarter of it: otherwise a new range is made, which later steps reuse as it
+            // is, where replacing changes a range they may need as it was.
             if self.cfg.may_stitch(size) {
-                if let Some(r) = self.find_reuse(aid, size) {
+                let fresh = match self.arenas[aid as usize].find_placement(size) {
+                    Some(p) => p.map_pages,
+                    None => size.div_ceil(self.page),
+                };
+                let max_busy = (fresh / 2).min((size.div_ceil(self.page) / 4).max(1));
+                if let Some(r) = self.find_reuse(aid, size, max_busy) {
                     if self.apply_reuse(dev, aid, &r, size)? {
                         let now = self.now;
                         self.with_arena(aid, |a| a.carve(r.start, size, now));

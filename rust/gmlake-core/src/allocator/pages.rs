@@ -350,10 +350,9 @@ impl State {
     /// window of free mapped blocks and lent pages. Lent pages whose physical page is free
     /// where it is active are taken back with no driver call; lent pages whose page is in
     /// use elsewhere (*busy*) can be replaced: the alias unmapped and another page mapped
-    /// there. The window with the fewest busy pages wins (then the fewest pages to move);
-    /// one with busy pages only if they are at most a quarter of its pages (replacing one
-    /// costs about two fresh maps). O(lent blocks and pages of the arena), bounded.
-    pub(super) fn find_reuse(&self, aid: u32, size: u64) -> Option<Reuse> {
+    /// there. The window with the fewest busy pages wins (then the fewest pages to move),
+    /// if it has at most `max_busy`. O(lent blocks and pages of the arena), bounded.
+    pub(super) fn find_reuse(&self, aid: u32, size: u64, max_busy: u64) -> Option<Reuse> {
         let arena = &self.arenas[aid as usize];
         let stream = arena.key.stream;
         let page = self.page;
@@ -407,9 +406,8 @@ impl State {
                     }
                     j += 1;
                 }
-                let pages = size.div_ceil(page);
                 let better = best.is_none_or(|b| (busy, moved) < (b.0, b.1));
-                if moved + busy > 0 && busy * 4 <= pages && better {
+                if moved + busy > 0 && busy <= max_busy && better {
                     best = Some((busy, moved, ws));
                 }
                 match units[i].2 {
