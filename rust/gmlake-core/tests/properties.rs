@@ -173,6 +173,10 @@ fn long_sequence_reuses_and_replaces_aliases() {
                 size: (1 << 20) + (next() % (30 << 20)),
                 stream: 0,
             },
+            9 if r % 3 == 0 => Op::Alloc {
+                size: (8 << 20) + (next() % (40 << 20)),
+                stream: 0,
+            },
             4 => Op::Alloc {
                 size: 1 + next() % (1 << 20),
                 stream: 0,
