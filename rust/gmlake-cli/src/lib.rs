@@ -12,6 +12,7 @@
 pub mod app;
 pub mod cli;
 pub mod clock;
+pub mod cost;
 pub mod native;
 pub mod plot;
 pub mod progress;

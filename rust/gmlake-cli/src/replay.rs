@@ -21,6 +21,10 @@ pub trait Backend {
     fn free(&mut self, ptr: DevicePtr) -> Result<(), CoreError>;
     /// Physical bytes held right now (must be O(1): it is read after every allocator call).
     fn reserved_bytes(&self) -> u64;
+    /// Driver calls made so far, for a backend that makes any.
+    fn driver_calls(&self) -> Option<DriverCalls> {
+        None
+    }
 }
 
 /// The GMLake allocator on a simulated device.
@@ -75,6 +79,9 @@ impl Backend for SimBackend {
     #[inline]
     fn reserved_bytes(&self) -> u64 {
         self.allocator.device().physical_bytes()
+    }
+    fn driver_calls(&self) -> Option<DriverCalls> {
+        Some(self.allocator.stats().driver_calls)
     }
 }
 
@@ -134,6 +141,9 @@ pub struct Measures {
     /// CPU time of the replay loop (allocator included), where the platform measures it.
     pub cpu_seconds: Option<f64>,
     pub series: Series,
+    /// The backend's driver calls after the first half of the events (a steady-state figure
+    /// is the total minus these).
+    pub half_driver_calls: Option<DriverCalls>,
 }
 
 /// Why a replay stopped, at which event.
@@ -239,10 +249,15 @@ pub fn replay<B: Backend>(
     let (mut ooms, mut unknown_frees, mut duplicate_allocs) = (0u64, 0u64, 0u64);
     let mut first_oom = None;
     let fail = |event, kind| Err(ReplayError { event, kind });
+    let half = events.len() / 2;
+    let mut half_driver_calls = None;
 
     let cpu_start = thread_cpu_time();
     let wall_start = Instant::now();
     for (i, e) in events.iter().enumerate() {
+        if i == half {
+            half_driver_calls = backend.driver_calls();
+        }
         match e.action {
             Action::Alloc => {
                 if let Some(old) = live.remove(&e.addr) {
@@ -324,6 +339,7 @@ pub fn replay<B: Backend>(
         wall_seconds,
         cpu_seconds,
         series,
+        half_driver_calls,
     })
 }
 

@@ -28,6 +28,18 @@ pub struct Row {
     pub pages_stitched: Option<u64>,
     /// Driver calls by kind, plus `total`.
     pub driver_calls: Option<Map<String, Value>>,
+    /// Driver calls per 1,000 replayed events: over the whole trace, and over its second half
+    /// (after the first half of the events: the steady state of a periodic job).
+    pub driver_calls_per_1k_events: Option<f64>,
+    pub driver_calls_per_1k_events_second_half: Option<f64>,
+    /// Driver calls made in the second half of the trace.
+    pub driver_calls_second_half: Option<u64>,
+    /// Estimated host time of the driver calls (ms), from per-call costs measured on an H100
+    /// (`cost.rs`): idle GPU and busy GPU, whole trace and second half.
+    pub driver_ms_idle: Option<f64>,
+    pub driver_ms_busy: Option<f64>,
+    pub driver_ms_idle_second_half: Option<f64>,
+    pub driver_ms_busy_second_half: Option<f64>,
     /// The simulated device's size.
     pub capacity_bytes: u64,
     /// Every allocation was served within the capacity.
@@ -74,6 +86,15 @@ impl Row {
         let reserved = ours.map(|o| o.peak_reserved_bytes);
         let saved = reserved.map(|r| native as i64 - r as i64);
         let per_event = |s: f64| (m.events > 0).then(|| s * 1e6 / m.events as f64);
+        let second = ours.map(|o| match &m.half_driver_calls {
+            Some(h) => crate::cost::difference(&o.driver_calls, h),
+            None => o.driver_calls,
+        });
+        let second_events = m.events - m.events / 2;
+        let per_1k =
+            |calls: u64, events: usize| (events > 0).then(|| calls as f64 * 1000.0 / events as f64);
+        let est = ours.map(|o| crate::cost::estimate_ms(&o.driver_calls));
+        let est2 = second.as_ref().map(crate::cost::estimate_ms);
         Row {
             trace,
             device,
@@ -98,6 +119,15 @@ impl Row {
                 calls.insert("total".into(), o.driver_calls.total().into());
                 calls
             }),
+            driver_calls_per_1k_events: ours.and_then(|o| per_1k(o.driver_calls.total(), m.events)),
+            driver_calls_per_1k_events_second_half: second
+                .as_ref()
+                .and_then(|c| per_1k(c.total(), second_events)),
+            driver_calls_second_half: second.as_ref().map(|c| c.total()),
+            driver_ms_idle: est.map(|e| e.0),
+            driver_ms_busy: est.map(|e| e.1),
+            driver_ms_idle_second_half: est2.map(|e| e.0),
+            driver_ms_busy_second_half: est2.map(|e| e.1),
             capacity_bytes: capacity,
             fits: ours.map(|_| m.ooms == 0),
             ooms: ours.map(|_| m.ooms),
@@ -217,6 +247,8 @@ pub fn table(rows: &[Row], capacity: bool) -> String {
         "saved %",
         "stitches",
         "driver calls",
+        "calls/1k ev (2nd half)",
+        "est. driver ms idle/busy (2nd half)",
         "cpu µs/event",
     ];
     if capacity {
@@ -239,6 +271,13 @@ pub fn table(rows: &[Row], capacity: bool) -> String {
             opt(r.driver_calls.as_ref(), |c| {
                 c.get("total").map_or("-".into(), |t| t.to_string())
             }),
+            opt(r.driver_calls_per_1k_events_second_half, |c| {
+                format!("{c:.1}")
+            }),
+            match (r.driver_ms_idle_second_half, r.driver_ms_busy_second_half) {
+                (Some(i), Some(b)) => format!("{i:.1}/{b:.1}"),
+                _ => "-".into(),
+            },
             opt(r.cpu_us_per_event, |u| format!("{u:.3}")),
         ];
         if capacity {
@@ -321,6 +360,7 @@ mod tests {
             wall_seconds: 0.002,
             cpu_seconds: Some(0.001),
             series: Series::default(),
+            half_driver_calls: None,
         }
     }
 

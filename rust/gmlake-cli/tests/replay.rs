@@ -490,3 +490,50 @@ fn trace_only_reports_the_traces_own_figures() {
     let native = row["native_utilization"].as_f64().unwrap();
     assert!((native - 0.728).abs() < 0.001, "{native}");
 }
+
+/// Driver calls of the second half of a replay, and the row.
+fn second_half(name: &str, set: &[&str]) -> (u64, Value) {
+    let mut args = vec![
+        "replay".to_string(),
+        trace(name).display().to_string(),
+        "--json".into(),
+    ];
+    for s in set {
+        args.push("--set".into());
+        args.push(s.to_string());
+    }
+    let rows = json_rows(&gmlake(&args));
+    let row = rows.into_iter().next().expect("one row");
+    let n = row["driver_calls_second_half"]
+        .as_u64()
+        .expect("second-half calls");
+    (n, row)
+}
+
+#[test]
+fn steady_state_driver_calls_are_reported_and_kept_mappings_cut_them() {
+    // The GPT trace (activation checkpointing, sequence length drawn per step): once warm,
+    // its steps reuse kept stitched ranges. Without kept mappings (max_aliases 0) every step
+    // stitches anew.
+    let (with, row) = second_half("gpt-ckpt.pickle", &[]);
+    let (without, _) = second_half("gpt-ckpt.pickle", &["max_aliases=0"]);
+    let total = row["driver_calls"]["total"].as_u64().unwrap();
+    assert!(with <= total);
+    assert!(
+        with * 10 < without,
+        "second half: {with} calls kept, {without} not"
+    );
+    let per_1k = row["driver_calls_per_1k_events_second_half"]
+        .as_f64()
+        .unwrap();
+    let events = row["events"].as_u64().unwrap();
+    let want = with as f64 * 1000.0 / (events - events / 2) as f64;
+    assert!((per_1k - want).abs() < 1e-6);
+    let (idle, busy) = (
+        row["driver_ms_idle_second_half"].as_f64().unwrap(),
+        row["driver_ms_busy_second_half"].as_f64().unwrap(),
+    );
+    assert!(idle >= 0.0 && busy >= idle, "{idle} {busy}");
+    // The utilization is kept.
+    assert!(row["utilization"].as_f64().unwrap() >= 0.99);
+}

@@ -1,0 +1,108 @@
+//! What driver calls cost in host time, to turn the replay's call counts into an estimate of
+//! the time a policy spends in the driver, without a GPU.
+//!
+//! Per-call figures measured on an H100 (driver 580, CUDA 13.0) with 2 MiB handles, by
+//! `shared/tools/vmm_sync_probe.cu` (notes/vmm-costs.md), idle GPU and while a kernel runs on
+//! another stream (a training job allocates while kernels run). `cuMemSetAccess` is one call
+//! per range but its cost is per freshly mapped handle, so it is charged per `map` call.
+//! Event record/query and VA reserve/free were not measured there: a few microseconds is
+//! what they take on current drivers (reservations are rare either way).
+
+use gmlake_core::DriverCalls;
+
+/// Microseconds per call: (idle GPU, busy GPU).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CallCost {
+    pub idle_us: f64,
+    pub busy_us: f64,
+}
+
+const fn c(idle_us: f64, busy_us: f64) -> CallCost {
+    CallCost { idle_us, busy_us }
+}
+
+pub const CREATE: CallCost = c(9.5, 116.0);
+pub const RELEASE: CallCost = c(9.9, 61.0);
+/// cuMemMap plus the cuMemSetAccess share of the mapped handle.
+pub const MAP_AND_ACCESS: CallCost = c(0.7 + 26.4, 7.9 + 143.0);
+pub const UNMAP: CallCost = c(16.3, 145.0);
+pub const EVENT: CallCost = c(2.0, 5.0);
+pub const VA: CallCost = c(5.0, 10.0);
+pub const SYNCHRONIZE: CallCost = c(10.0, 10.0);
+
+/// Estimated host time of `calls` in milliseconds: (idle GPU, busy GPU).
+pub fn estimate_ms(calls: &DriverCalls) -> (f64, f64) {
+    let parts = [
+        (calls.create_physical, CREATE),
+        (calls.release_physical, RELEASE),
+        (calls.map, MAP_AND_ACCESS),
+        (calls.unmap, UNMAP),
+        (
+            calls.create_event + calls.record_event + calls.query_event,
+            EVENT,
+        ),
+        (calls.reserve_va + calls.free_va, VA),
+        (calls.synchronize, SYNCHRONIZE),
+    ];
+    let sum =
+        |f: fn(&CallCost) -> f64| parts.iter().map(|(n, c)| *n as f64 * f(c)).sum::<f64>() / 1000.0;
+    (sum(|c| c.idle_us), sum(|c| c.busy_us))
+}
+
+/// `later - earlier`, call kind by call kind.
+pub fn difference(later: &DriverCalls, earlier: &DriverCalls) -> DriverCalls {
+    let d = |a: u64, b: u64| a.saturating_sub(b);
+    DriverCalls {
+        create_physical: d(later.create_physical, earlier.create_physical),
+        release_physical: d(later.release_physical, earlier.release_physical),
+        reserve_va: d(later.reserve_va, earlier.reserve_va),
+        free_va: d(later.free_va, earlier.free_va),
+        map: d(later.map, earlier.map),
+        unmap: d(later.unmap, earlier.unmap),
+        set_access: d(later.set_access, earlier.set_access),
+        create_event: d(later.create_event, earlier.create_event),
+        record_event: d(later.record_event, earlier.record_event),
+        query_event: d(later.query_event, earlier.query_event),
+        synchronize: d(later.synchronize, earlier.synchronize),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimate_is_the_sum_of_the_per_call_costs() {
+        let calls = DriverCalls {
+            create_physical: 2,
+            map: 10,
+            set_access: 3,
+            unmap: 4,
+            record_event: 1,
+            query_event: 1,
+            ..DriverCalls::default()
+        };
+        let (idle, busy) = estimate_ms(&calls);
+        let want_idle = (2.0 * 9.5 + 10.0 * 27.1 + 4.0 * 16.3 + 2.0 * 2.0) / 1000.0;
+        let want_busy = (2.0 * 116.0 + 10.0 * 150.9 + 4.0 * 145.0 + 2.0 * 5.0) / 1000.0;
+        assert!((idle - want_idle).abs() < 1e-9, "{idle} {want_idle}");
+        assert!((busy - want_busy).abs() < 1e-9, "{busy} {want_busy}");
+        assert_eq!(estimate_ms(&DriverCalls::default()), (0.0, 0.0));
+    }
+
+    #[test]
+    fn difference_is_per_kind() {
+        let a = DriverCalls {
+            map: 7,
+            unmap: 3,
+            ..DriverCalls::default()
+        };
+        let b = DriverCalls {
+            map: 2,
+            unmap: 5,
+            ..DriverCalls::default()
+        };
+        let d = difference(&a, &b);
+        assert_eq!((d.map, d.unmap, d.total()), (5, 0, 5));
+    }
+}
