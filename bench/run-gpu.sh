@@ -16,8 +16,11 @@
 #   BENCH_BUDGET_S  total wall-time budget in seconds (default 450); a phase that would start
 #                   with less than its minimum left is skipped and recorded as skipped
 #   BENCH_QUICK=1   fewer steps, trials and latency iterations (a smoke run, ~3 minutes)
-#   BENCH_WORKLOADS workloads to run (default: "llm_lora moe conv kv_infer fsdp_offload")
-#   BENCH_ALLOCATORS allocators (default: "native expandable gmlake")
+#   BENCH_WORKLOADS workloads to run (default: "llm_lora moe conv kv_infer fsdp_offload
+#                   concat_cache stress")
+#   BENCH_ALLOCATORS allocators, run in this order per workload (default: "native expandable
+#                   gmlake native2"; native2 is native again, whose ratio to native is the noise)
+#   BENCH_NO_SEARCH=1 skip the largest-batch searches (step times and driver calls only)
 #   BENCH_NO_LATENCY=1 / BENCH_NO_WORKLOADS=1  skip a part
 #   GMLAKE_CONF     gmlake's configuration (passed through)
 #   BENCH_COMMIT    the commit to record (where the copy has no .git)
@@ -35,8 +38,8 @@ SUMMARY=$OUT/summary.txt
 : >"$LOG"
 BUDGET=${BENCH_BUDGET_S:-450}
 QUICK=${BENCH_QUICK:-0}
-WORKLOADS=${BENCH_WORKLOADS:-llm_lora moe conv kv_infer fsdp_offload}
-ALLOCATORS=${BENCH_ALLOCATORS:-native expandable gmlake}
+WORKLOADS=${BENCH_WORKLOADS:-llm_lora moe conv kv_infer fsdp_offload concat_cache stress}
+ALLOCATORS=${BENCH_ALLOCATORS:-native expandable gmlake native2}
 PY=${PYTHON:-python3}
 export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -129,7 +132,7 @@ run_latency() { # allocator
   log "latency/$a (timeout ${t}s)"
   local rc=0
   case $a in
-  native) timeout -k 5 "$t" "$lat_bin" --allocator native --out "$RES" ${lat_args[@]+"${lat_args[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
+  native | native2) timeout -k 5 "$t" "$lat_bin" --allocator native --out "$RES" ${lat_args[@]+"${lat_args[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
   expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 5 "$t" "$lat_bin" --allocator expandable \
     --out "$RES" ${lat_args[@]+"${lat_args[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
   gmlake) timeout -k 5 "$t" "$lat_bin" --allocator gmlake --lib "$lib" --conf "" --out "$RES" ${lat_args[@]+"${lat_args[@]}"} \
@@ -141,7 +144,7 @@ run_latency() { # allocator
   fi
 }
 if [ -n "$lat_bin" ] && [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
-  for a in $ALLOCATORS; do run_latency "$a"; done
+  for a in $ALLOCATORS; do [ "$a" = native2 ] || run_latency "$a"; done
 fi
 
 # ---- raw driver costs: rust/gmlake-cuda's vmm_probe example, when a build of it was carried
@@ -180,7 +183,8 @@ run_workload() { # workload allocator
   s=$(wl_search "$w")
   # Leave the search at most 60% of the process's time.
   [ "$s" -gt $((t * 6 / 10)) ] && s=$((t * 6 / 10))
-  local flags=(--search --search-time "$s" --out "$RES" --tag "run-gpu")
+  local flags=(--out "$RES" --tag "run-gpu")
+  [ "${BENCH_NO_SEARCH:-0}" = 1 ] || flags+=(--search --search-time "$s")
   if [ "$QUICK" = 1 ]; then
     # shellcheck disable=SC2207
     flags+=($(wl_quick_flags "$w"))
@@ -189,6 +193,7 @@ run_workload() { # workload allocator
   local script=bench/workloads/$w.py
   case $a in
   native) timeout -k 10 "$t" "$PY" "$script" --allocator native "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  native2) timeout -k 10 "$t" "$PY" "$script" --allocator native --label native2 "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
   expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$t" "$PY" "$script" \
     --allocator expandable "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
   gmlake) timeout -k 10 "$t" "$PY" -m gmlake "$script" --allocator gmlake "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;

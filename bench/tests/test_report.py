@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCH))
 import report  # noqa: E402
 
 GiB = 1 << 30
-WORKLOADS = ["llm_lora", "fsdp_offload", "moe", "conv", "kv_infer"]
+WORKLOADS = ["llm_lora", "fsdp_offload", "moe", "conv", "kv_infer", "concat_cache", "stress"]
 
 
 def synthetic(gmlake_util=0.99, gmlake_ratio=1.005, fail_kv_expandable=False):
@@ -189,3 +189,38 @@ def test_search_on_cpu_with_fake_oom(tmp_path):
     mb = next(x for x in recs if x["kind"] == "max_batch")
     assert mb["max_batch"] == 13 and mb["first_failed_batch"] == 14 and mb["search_complete"]
     assert [t["batch"] for t in mb["trials"]] == [4, 8, 16, 12, 14, 13]
+
+
+def test_driver_calls_per_step_and_the_second_native_run_are_reported():
+    recs = [{"kind": "env", "gpu": "FAKE", "driver": "1", "torch": "2.11.0", "date": "today"}]
+    for a, step, calls in (("native", 0.100, None), ("expandable", 0.110, None),
+                           ("gmlake", 0.101, [0, 2, 0]), ("native2", 0.097, None)):
+        r = {"kind": "workload", "workload": "concat_cache", "allocator": a, "ok": True, "steps": 3,
+             "warmup": 1, "median_step_s": step, "peak_active_bytes": GiB, "peak_reserved_bytes": GiB,
+             "utilization": 1.0}
+        if calls is not None:
+            r["driver_calls_per_step"] = calls
+            r["median_driver_calls_per_step"] = sorted(calls)[1]
+        recs.append(r)
+    res = report.Results(recs)
+    assert res.allocators() == ["native", "expandable", "gmlake", "native2"]
+    ratios = report.step_ratios(res, "concat_cache")
+    assert abs(ratios["gmlake"] - 1.01) < 1e-9 and abs(ratios["native2"] - 0.97) < 1e-9
+    text = report.summary(res)
+    line = next(x for x in text.splitlines() if x.startswith("concat_cache") and " gmlake " in x)
+    assert "calls/st" in text and line.split()[7] == "0", line
+    md = "\n".join(report.workload_lines(res))
+    assert "driver calls per step" in md and "native2" in md
+
+
+@pytest.mark.parametrize("w", ["concat_cache", "stress"])
+def test_new_workloads_run_on_cpu(tmp_path, w):
+    """The issue-12 workloads' code end to end on the CPU (skipped without torch)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "r.jsonl"
+    r = subprocess.run([sys.executable, str(BENCH / "workloads" / f"{w}.py"), "--device", "cpu", "--tiny",
+                        "--steps", "3", "--warmup", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    run = next(x for x in map(json.loads, out.read_text().splitlines()) if x["kind"] == "workload")
+    assert run["ok"] and len(run["step_times_s"]) == 3

@@ -76,6 +76,8 @@ def base_parser(name: str, description: str, defaults: Dict[str, Any]) -> argpar
                    help="testing: raise OutOfMemoryError for batches above this (0: off)")
     g.add_argument("--out", default="", help="append the JSON records to this file too")
     g.add_argument("--tag", default="", help="free text stored in the records")
+    g.add_argument("--label", default="",
+                   help="name recorded as the allocator (e.g. native2 for a second native run)")
     return p
 
 
@@ -256,17 +258,36 @@ def cleanup(wl, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from: int) -> List[float]:
+def driver_calls() -> Optional[int]:
+    """gmlake's driver calls so far (None with another allocator): one stats read."""
+    gm = _gmlake_module()
+    if gm is None or not gm.is_enabled():
+        return None
+    try:
+        return int(gm.stats().get("gmlake.driver_calls", 0))
+    except Exception:
+        return None
+
+
+def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from: int,
+              calls_out: Optional[List[int]] = None) -> List[float]:
+    """Runs the steps; times the ones from `timed_from`. With `calls_out`, appends gmlake's
+    driver calls made by each timed step (read between steps, outside the timing)."""
     times = []
     for i, shape in enumerate(shapes):
         _fake_oom(args, batch)
         sync(device)
+        before = driver_calls() if calls_out is not None and i >= timed_from else None
         t0 = time.perf_counter()
         wl.step(batch, shape)
         sync(device)
         dt = time.perf_counter() - t0
         if i >= timed_from:
             times.append(dt)
+            if before is not None:
+                after = driver_calls()
+                if after is not None:
+                    calls_out.append(after - before)
     return times
 
 
@@ -276,7 +297,12 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
     rec = dict(base, kind="workload", batch=args.batch, steps=args.steps, warmup=args.warmup)
     t0 = time.perf_counter()
     try:
-        times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup)
+        calls: List[int] = []
+        times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls)
+        if calls:
+            rec["driver_calls_per_step"] = calls
+            rec["median_driver_calls_per_step"] = statistics.median(calls)
+            rec["mean_driver_calls_per_step"] = statistics.fmean(calls)
         rec["ok"] = True
     except Exception as e:
         rec["ok"] = False
@@ -430,6 +456,8 @@ def main(module, argv=None) -> int:
         args.warmup = min(args.warmup, 1)
     t_proc = time.perf_counter()
     name = setup_allocator(args.allocator, args.gmlake_conf, args.device)
+    if args.label:
+        name = args.label
     import torch
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
