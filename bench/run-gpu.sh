@@ -20,6 +20,7 @@
 #                   concat_cache stress")
 #   BENCH_ALLOCATORS allocators, run in this order per workload (default: "native expandable
 #                   gmlake native2"; native2 is native again, whose ratio to native is the noise)
+#   BENCH_STEPS     measured steps of every workload (overrides the defaults and quick mode)
 #   BENCH_NO_SEARCH=1 skip the largest-batch searches (step times and driver calls only)
 #   BENCH_NO_LATENCY=1 / BENCH_NO_WORKLOADS=1  skip a part
 #   GMLAKE_CONF     gmlake's configuration (passed through)
@@ -185,6 +186,7 @@ run_workload() { # workload allocator
   [ "$s" -gt $((t * 6 / 10)) ] && s=$((t * 6 / 10))
   local flags=(--out "$RES" --tag "run-gpu")
   [ "${BENCH_NO_SEARCH:-0}" = 1 ] || flags+=(--search --search-time "$s")
+  [ -n "${BENCH_STEPS:-}" ] && flags+=(--steps "$BENCH_STEPS")
   if [ "$QUICK" = 1 ]; then
     # shellcheck disable=SC2207
     flags+=($(wl_quick_flags "$w"))
