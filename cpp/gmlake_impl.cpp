@@ -392,15 +392,19 @@ void Impl::raise_oom(int device, const ffi::AllocOutcome& r, size_t nbytes, cuda
       static_cast<size_t>(r.allocated),
       static_cast<size_t>(r.reserved),
       c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+  // PyTorch's sentence first ("Tried to allocate X. GPU N has a total capacity of ..."), which
+  // tools and tests match; the core's message says "GPU has", given the device index here.
   std::string msg = std::string(r.message);
+  const std::string gpu_has = "GPU has a total capacity";
+  if (auto at = msg.find(gpu_has); at != std::string::npos) {
+    msg.replace(at, gpu_has.size(), "GPU " + std::to_string(device) + " has a total capacity");
+  }
   TORCH_CHECK_WITH(
       OutOfMemoryError,
       false,
-      "CUDA out of memory. GPU ",
-      device,
-      " (gmlake allocator): ",
+      "CUDA out of memory. ",
       msg,
-      ". Including memory not managed by gmlake, the device has ",
+      ". (gmlake allocator) Including memory not managed by gmlake, the device has ",
       human_bytes(r.device_free),
       " free of ",
       human_bytes(r.device_total),

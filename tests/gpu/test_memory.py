@@ -1,6 +1,7 @@
 """Allocation correctness: many sizes, stitched blocks, statistics, empty_cache, OOM,
 record_stream."""
 
+import re
 from textwrap import dedent
 
 from harness import run_python, write_out
@@ -293,6 +294,9 @@ def test_out_of_memory_raises_and_process_recovers():
     print(res)
     assert res["huge_raised"], "no torch.OutOfMemoryError for a request larger than the device"
     assert "gmlake" in res["huge_msg"] and "Tried to allocate" in res["huge_msg"], res["huge_msg"]
+    # PyTorch's own sentence comes first, as native writes it (tools match on it).
+    assert re.match(r"CUDA out of memory\. Tried to allocate [0-9.]+ [GMK]iB\. GPU [0-9]+ has a total "
+                    r"capacity of [0-9.]+ GiB of which [0-9.]+ [GMK]iB is free\.", res["huge_msg"]), res["huge_msg"]
     assert res["after_huge_ok"]
     assert res["fill_raised"]
     assert res["expected_chunks"] - 2 <= res["chunks"] <= res["expected_chunks"] + 1, res
