@@ -108,6 +108,8 @@ import torch.multiprocessing as mp
 faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 def mixed_type_producer(queue, event):         # as in PyTorch's test_multiprocessing.py
+    if os.environ.get("MIXED_CHILD_GMLAKE") == "1":
+        gmlake.enable()
     for _ in range(10):
         float_tensor = torch.ones(2, 2).float().cuda()
         byte_tensor = torch.zeros(2, 2).byte().cuda()
@@ -154,6 +156,8 @@ def watchdog(deadline, label):
     return t
 
 if __name__ == "__main__":
+    if os.environ.get("MIXED_PARENT_GMLAKE") == "1":
+        gmlake.enable()
     ctx = mp.get_context("spawn")
     runs = int(os.environ.get("MIXED_RUNS", "50"))
     times = []
@@ -199,16 +203,23 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("allocator", ALLOCATORS + ["launcher"])
+@pytest.mark.parametrize("allocator", ALLOCATORS + ["launcher", "gmlake-parent", "gmlake-child"])
 def test_mixed_dtype_ipc_sends_complete_50_times(allocator):
     """`launcher`: gmlake installed by `python -m gmlake` in the parent and, through its import
-    hook, in every spawned producer (the way PyTorch's suite was run), not by enable()."""
-    runs = os.environ.get("GMLAKE_MIXED_RUNS", "10" if allocator == "native" else "50")
+    hook, in every spawned producer (the way PyTorch's suite was run), not by enable().
+    `gmlake-parent`: the receiver runs gmlake, the producers PyTorch's allocator (the receiver
+    opens cudaMalloc handles); `gmlake-child`: the other way round."""
+    default = {"native": "10", "gmlake": "50", "launcher": "50"}.get(allocator, "25")
+    runs = os.environ.get("GMLAKE_MIXED_RUNS", default)
     launcher = allocator == "launcher"
-    r = run_python(f"mixed_ipc_{allocator}", MIXED_IPC, allocator="native" if launcher else allocator,
-                   timeout=580, env={"MIXED_RUNS": runs}, expect_ok=False,
-                   python_args=["-m", "gmlake", "--quiet"] if launcher else None)
+    env = {"MIXED_RUNS": runs,
+           "MIXED_PARENT_GMLAKE": "1" if allocator == "gmlake-parent" else "0",
+           "MIXED_CHILD_GMLAKE": "1" if allocator == "gmlake-child" else "0"}
+    base = "gmlake" if allocator == "gmlake" else "native"
+    r = run_python(f"mixed_ipc_{allocator}", MIXED_IPC, allocator=base, timeout=580, env=env,
+                   expect_ok=False, python_args=["-m", "gmlake", "--quiet"] if launcher else None)
     print(r.tail(8000))
     assert r.returncode == 0, f"mixed-dtype IPC ({allocator}) failed or hung:\n{r.tail(12000)}"
     assert r.result["runs"] == int(runs), r.result
-    assert r.result["backend"] == ("native" if allocator == "native" else "gmlake"), r.result
+    parent = "native" if allocator in ("native", "gmlake-child") else "gmlake"
+    assert r.result["backend"] == parent, r.result
