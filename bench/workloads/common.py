@@ -75,6 +75,11 @@ def base_parser(name: str, description: str, defaults: Dict[str, Any]) -> argpar
     g.add_argument("--fake-oom-above", type=int, default=0,
                    help="testing: raise OutOfMemoryError for batches above this (0: off)")
     g.add_argument("--out", default="", help="append the JSON records to this file too")
+    g.add_argument("--record-trace", default="",
+                   help="record the allocator's events (torch.cuda.memory._record_memory_history, "
+                        "no stacks) from the model's build to the end of the measured run and "
+                        "write them, in the layout of torch.cuda.memory._snapshot() with only "
+                        "device_traces, to this pickle (.gz: gzip); gmlake replay reads it")
     g.add_argument("--tag", default="", help="free text stored in the records")
     g.add_argument("--label", default="",
                    help="name recorded as the allocator (e.g. native2 for a second native run)")
@@ -228,6 +233,34 @@ def memory_record(device: str) -> Dict[str, Any]:
         except Exception as e:
             rec["gmlake"] = {"error": str(e)}
     return rec
+
+
+def start_trace(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python",
+                                                 max_entries=4_000_000)
+
+
+def write_trace(device: str, path: str) -> Dict[str, Any]:
+    """Writes the recorded events (no frames, no segments) and stops recording."""
+    import gzip
+    import pickle
+
+    import torch
+
+    if not device.startswith("cuda"):
+        return {}
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    traces = [[{k: ev.get(k) for k in ("action", "addr", "size", "stream", "time_us")} | {"frames": []}
+               for ev in dev] for dev in snap.get("device_traces", [])]
+    data = {"device_traces": traces, "segments": []}
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "wb") as f:
+        pickle.dump(data, f, protocol=4)
+    return {"trace_path": path, "trace_events": sum(len(t) for t in traces)}
 
 
 def emit(rec: Dict[str, Any], out: str) -> None:
@@ -473,6 +506,8 @@ def main(module, argv=None) -> int:
     }
     torch.manual_seed(args.seed)
     random.seed(args.seed)
+    if args.record_trace:
+        start_trace(args.device)
     t0 = time.perf_counter()
     wl = module.build(args, args.device)
     build_s = time.perf_counter() - t0
@@ -484,6 +519,8 @@ def main(module, argv=None) -> int:
         rec["config"] = {k: v for k, v in vars(args).items() if k not in ("out",)}
         rec.update(env_facts(args.device))
         rec.update(allocator_facts(name, args.device))
+        if args.record_trace:
+            rec.update(write_trace(args.device, args.record_trace))
         rec["process_s"] = time.perf_counter() - t_proc
         emit(rec, args.out)
         if not rec["ok"]:
