@@ -202,7 +202,56 @@ fn memory_fraction_and_limit_cap_reserved_memory() {
     a.set_limit(Some(100 * MIB));
     assert_eq!(a.limit(), Some(100 * MIB));
     assert!(a.set_memory_fraction(1.5).is_err());
-    assert!(a.set_memory_fraction(0.0).is_err());
+    assert!(a.set_memory_fraction(-0.1).is_err());
+}
+
+#[test]
+fn a_memory_fraction_of_zero_allows_nothing_new_as_pytorch() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    a.set_memory_fraction(0.0).unwrap();
+    assert_eq!(a.memory_fraction(), Some(0.0));
+    assert!(matches!(a.allocate(MIB, 0), Err(Error::OutOfMemory(_))));
+    a.set_memory_fraction(1.0).unwrap();
+    let p = a.allocate(MIB, 0).unwrap();
+    a.free(p).unwrap();
+    a.verify().unwrap();
+}
+
+#[test]
+fn roundup_power2_divisions_round_the_placed_size_not_the_request() {
+    let mut cfg = Config::default();
+    cfg.apply_conf("roundup_power2_divisions:4").unwrap();
+    let (_dev, a) = setup(1 << 30, cfg);
+    let n = 84 * MIB; // between 64 and 128 MiB: divisions of 16 MiB
+    let p = a.allocate(n, 0).unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes.aggregate().current as u64, 96 * MIB);
+    assert_eq!(s.requested_bytes.aggregate().current as u64, n);
+    a.free(p).unwrap();
+    // The caller's own rounding (allocate_rounded) wins.
+    let q = a
+        .allocate_rounded(MIB + 1, 2 * MIB, 0, gmlake_core::GraphPoolId::DEFAULT)
+        .unwrap();
+    assert_eq!(
+        a.stats().allocated_bytes.aggregate().current as u64,
+        2 * MIB
+    );
+    a.free(q).unwrap();
+    a.verify().unwrap();
+}
+
+#[test]
+fn cleared_stream_uses_free_at_once() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    let p = a.allocate(4 * MIB, 1).unwrap();
+    a.record_stream(p, 2).unwrap();
+    a.clear_stream_uses(p).unwrap();
+    a.free(p).unwrap();
+    // Reusable on its stream at once: same address.
+    let q = a.allocate(4 * MIB, 1).unwrap();
+    assert_eq!(p, q);
+    a.free(q).unwrap();
+    assert!(a.clear_stream_uses(0x1000).is_err());
 }
 
 #[test]

@@ -246,10 +246,46 @@ impl<D: Device> Allocator<D> {
         if size == 0 {
             return Ok(0);
         }
-        let rounded = round_request(size)?;
+        round_request(size)?;
+        let mut st = self.state.lock();
+        let rounded = st.cfg.round_size(size);
+        st.allocate(&self.device, size, rounded, stream, pool)
+    }
+
+    /// As [`Allocator::allocate_in`], placing `rounded` bytes (at least `size`, rounded up to
+    /// 512 bytes here) for a request of `size`: the caller applies its own rounding
+    /// (PyTorch's `roundup_power2_divisions`, or whole pages for a pool that must not share
+    /// pages between allocations). Statistics count `size` as requested, `rounded` as
+    /// allocated.
+    pub fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let rounded = round_request(rounded.max(size))?;
         self.state
             .lock()
             .allocate(&self.device, size, rounded, stream, pool)
+    }
+
+    /// Forgets the streams a live allocation was recorded on (`record_stream`): a CUDA graph
+    /// capture proved, from the graph's dependencies, that every use on those streams is
+    /// ordered before any later work of the allocation's stream, so a free needs no event.
+    pub fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()> {
+        let mut st = self.state.lock();
+        match st.live.get_mut(&ptr) {
+            Some(b) if !b.pending => {
+                b.extra.clear();
+                Ok(())
+            }
+            Some(_) => Err(Error::DoubleFree(ptr)),
+            None => Err(Error::UnknownPointer(ptr)),
+        }
     }
 
     /// Makes [ptr, ptr + size) a live allocation again, as if `allocate_in(requested, stream,
@@ -310,12 +346,13 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Caps reserved memory at `fraction` of the device (PyTorch's setMemoryFraction).
+    /// 0 allows nothing to be reserved; 1 is the whole device.
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::InvalidConfig {
                 key: "memory_fraction".into(),
                 value: fraction.to_string(),
-                reason: "expected a fraction in (0, 1]".into(),
+                reason: "expected a fraction in [0, 1]".into(),
             });
         }
         let mut st = self.state.lock();
