@@ -60,6 +60,7 @@ pub trait Core: Send + Sync {
         pool: GraphPoolId,
     ) -> Result<DevicePtr>;
     fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()>;
+    fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>>;
     fn allocate_at(
         &self,
         ptr: DevicePtr,
@@ -120,6 +121,9 @@ impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
     }
     fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()> {
         Allocator::clear_stream_uses(self, ptr)
+    }
+    fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>> {
+        Allocator::stream_uses(self, ptr)
     }
     fn allocate_at(
         &self,

@@ -245,6 +245,9 @@ pub mod ffi {
         /// Forgets the streams a live allocation was recorded on (a CUDA graph capture
         /// proved them ordered before later work of its stream); status as free_ptr's.
         fn clear_stream_uses(self: &Gmlake, ptr: u64) -> FreeOutcome;
+        /// The streams a live allocation was recorded on besides its own (empty when none,
+        /// or when `ptr` is not a live allocation).
+        fn stream_uses(self: &Gmlake, ptr: u64) -> Vec<u64>;
         /// Makes [ptr, ptr + size) a live allocation of pool (pool_first, pool_second) again
         /// (a CUDA graph tree checkpoint restore); the range must be free and mapped there.
         fn allocate_at(
@@ -678,6 +681,11 @@ impl Gmlake {
             GraphPoolId::DEFAULT
         };
         self.alloc_common(size, |c| c.allocate_rounded(size, rounded, stream, pool))
+    }
+
+    fn stream_uses(&self, ptr: u64) -> Vec<u64> {
+        guard("stream_uses", || Ok(self.core.stream_uses(ptr).unwrap_or_default()))
+            .unwrap_or_default()
     }
 
     fn clear_stream_uses(&self, ptr: u64) -> FreeOutcome {

@@ -173,7 +173,9 @@ fn allocate_rounded_places_the_rounded_size() {
     let rec = a.allocation(r.ptr).unwrap();
     assert_eq!((rec.size, rec.pool_first), (2 << 20, 5));
     a.record_stream(r.ptr, 9);
+    assert_eq!(a.stream_uses(r.ptr), vec![9]);
     assert_eq!(a.clear_stream_uses(r.ptr).status, 0);
+    assert!(a.stream_uses(r.ptr).is_empty());
     assert_eq!(a.free_ptr(r.ptr).status, 0);
     a.end_capture(5, 0).unwrap();
 }

@@ -273,6 +273,16 @@ impl<D: Device> Allocator<D> {
             .allocate(&self.device, size, rounded, stream, pool)
     }
 
+    /// The streams a live allocation was recorded on (`record_stream`), besides its own;
+    /// None for a pointer that is not a live allocation.
+    pub fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>> {
+        let st = self.state.lock();
+        st.live
+            .get(&ptr)
+            .filter(|b| !b.pending)
+            .map(|b| b.extra.clone())
+    }
+
     /// Forgets the streams a live allocation was recorded on (`record_stream`): a CUDA graph
     /// capture proved, from the graph's dependencies, that every use on those streams is
     /// ordered before any later work of the allocation's stream, so a free needs no event.
