@@ -107,8 +107,10 @@ inline cca::SnapshotInfo to_torch(const SnapshotData& d, c10::ApproximateClockTo
     seg.active_size = static_cast<size_t>(s.active_size);
     seg.stream = s.stream;
     seg.is_large = s.is_large;
-    // gmlake's segments are runs of mapped pages, not PyTorch's expandable segments.
-    seg.is_expandable = false;
+    // A gmlake segment is a run of mapped pages in a reserved range that grows and shrinks
+    // page by page: what PyTorch's expandable segments are, and PyTorch's consistency rules
+    // for those hold (segment counts and inactive_split are not per cudaMalloc).
+    seg.is_expandable = true;
     seg.owner_private_pool_id = c10::MempoolId_t{s.pool.first, s.pool.second};
     for (const auto& b : s.blocks) {
       cda::BlockInfo bi;

@@ -598,7 +598,9 @@ fn stats_follow_allocations_and_resets() {
     let s = a.stats();
     assert_eq!(s.allocation.aggregate().peak, 2);
     assert_eq!(s.active_bytes.aggregate().current, 0);
-    assert!(s.inactive_split_bytes.aggregate().current > 0);
+    // Everything free: cached runs, none split (as PyTorch's unsplit free segments).
+    assert_eq!(s.inactive_split_bytes.aggregate().current, 0);
+    assert!(s.inactive_split_bytes.aggregate().peak > 0);
     a.reset_peak_stats();
     assert_eq!(a.stats().allocation.aggregate().peak, 0);
     let created = a.stats().num_device_alloc;
@@ -763,5 +765,31 @@ fn allocate_at_recreates_a_freed_block_of_a_graph_pool() {
     // A part of a free block can be re-created too.
     a.allocate_at(p + 2 * MIB, 2 * MIB, 2 * MIB, 4, pool)
         .unwrap();
+    a.verify().unwrap();
+}
+
+#[test]
+fn inactive_split_counts_only_runs_with_an_active_block_as_pytorch() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    let p = a.allocate(1, 0).unwrap();
+    let s = a.stats();
+    // A 2 MiB page: 512 bytes live, the rest split off (PyTorch: the same).
+    assert_eq!(s.inactive_split.aggregate().current, 1);
+    assert_eq!(
+        s.inactive_split_bytes.aggregate().current as u64,
+        2 * MIB - 512
+    );
+    a.free(p).unwrap();
+    let s = a.stats();
+    // Freed: the page is one free run, cached but not split (PyTorch: 0).
+    assert_eq!(s.inactive_split.aggregate().current, 0);
+    assert_eq!(s.inactive_split_bytes.aggregate().current, 0);
+    let q = a.allocate(MIB, 0).unwrap();
+    assert_eq!(
+        a.stats().inactive_split_bytes.aggregate().current as u64,
+        MIB
+    );
+    a.free(q).unwrap();
+    assert_eq!(a.stats().inactive_split_bytes.aggregate().current, 0);
     a.verify().unwrap();
 }

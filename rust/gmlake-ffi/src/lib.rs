@@ -684,8 +684,10 @@ impl Gmlake {
     }
 
     fn stream_uses(&self, ptr: u64) -> Vec<u64> {
-        guard("stream_uses", || Ok(self.core.stream_uses(ptr).unwrap_or_default()))
-            .unwrap_or_default()
+        guard("stream_uses", || {
+            Ok(self.core.stream_uses(ptr).unwrap_or_default())
+        })
+        .unwrap_or_default()
     }
 
     fn clear_stream_uses(&self, ptr: u64) -> FreeOutcome {
