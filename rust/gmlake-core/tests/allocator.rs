@@ -793,3 +793,78 @@ fn inactive_split_counts_only_runs_with_an_active_block_as_pytorch() {
     assert_eq!(a.stats().inactive_split_bytes.aggregate().current, 0);
     a.verify().unwrap();
 }
+
+/// PyTorch's `_check_memory_stat_consistency` for expandable segments (what gmlake's runs
+/// are): the statistics equal what the snapshot adds up, per pool, along a random sequence
+/// with stitches, frees and empty_cache.
+#[test]
+fn stats_equal_what_the_snapshot_adds_up() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    let mut seed = 12345u64;
+    let mut rnd = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut live: Vec<u64> = Vec::new();
+    let check = |a: &Allocator<Arc<SimDevice>>, step: usize| {
+        let snap = a.snapshot();
+        let s = a.stats();
+        let mut sums = [[0i64; 6]; 3];
+        for seg in &snap.segments {
+            for i in [0, seg.pool as usize] {
+                sums[i][0] += seg.total_size as i64;
+                sums[i][1] += seg.allocated_size as i64;
+                sums[i][2] += seg.active_size as i64;
+                sums[i][3] += seg.requested_size as i64;
+                for b in &seg.blocks {
+                    if b.state == BlockState::ActiveAllocated {
+                        sums[i][4] += 1;
+                    }
+                    if b.state != BlockState::Inactive {
+                        sums[i][5] += 1;
+                    }
+                }
+            }
+        }
+        for (i, sum) in sums.iter().enumerate() {
+            let got = [
+                s.reserved_bytes.0[i].current,
+                s.allocated_bytes.0[i].current,
+                s.active_bytes.0[i].current,
+                s.requested_bytes.0[i].current,
+                s.allocation.0[i].current,
+                s.active.0[i].current,
+            ];
+            assert_eq!(&got, sum, "step {step}, pool {i}: stats vs snapshot");
+        }
+    };
+    for step in 0..400 {
+        if !live.is_empty() && rnd(10) < 4 {
+            let p = live.swap_remove(rnd(live.len() as u64) as usize);
+            a.free(p).unwrap();
+        } else {
+            let n = if step % 3 == 0 {
+                1 + rnd(4096)
+            } else {
+                1 + rnd(24 * MIB)
+            };
+            match a.allocate(n, rnd(2)) {
+                Ok(p) => live.push(p),
+                Err(Error::OutOfMemory(_)) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        check(&a, step);
+        if step % 97 == 96 {
+            a.empty_cache().unwrap();
+            check(&a, step);
+        }
+    }
+    for p in live {
+        a.free(p).unwrap();
+    }
+    check(&a, 400);
+    a.verify().unwrap();
+}
