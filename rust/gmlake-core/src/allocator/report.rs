@@ -170,14 +170,12 @@ impl State {
             return Err("reserved stats differ from pages held".into());
         }
         pool_pages[PoolKind::Large as usize] += self.book.physical as i64 - mapped as i64;
-        for i in 1..3 {
-            if cur(&s.segment, i) != pool_pages[i]
-                || cur(&s.reserved_bytes, i) != pool_pages[i] * self.page as i64
+        for (i, &pages) in pool_pages.iter().enumerate().skip(1) {
+            if cur(&s.segment, i) != pages || cur(&s.reserved_bytes, i) != pages * self.page as i64
             {
                 return Err(format!(
-                    "reserved stats of pool {i} ({} pages) differ from the pages active there ({})",
-                    cur(&s.segment, i),
-                    pool_pages[i]
+                    "reserved stats of pool {i} ({} pages) differ from the pages active there ({pages})",
+                    cur(&s.segment, i)
                 ));
             }
         }
