@@ -212,6 +212,7 @@ fn a_memory_fraction_of_zero_allows_nothing_new_as_pytorch() {
     assert_eq!(a.memory_fraction(), Some(0.0));
     assert!(matches!(a.allocate(MIB, 0), Err(Error::OutOfMemory(_))));
     a.set_memory_fraction(1.0).unwrap();
+    assert_eq!(a.memory_fraction(), None, "1 removes the cap, as PyTorch");
     let p = a.allocate(MIB, 0).unwrap();
     a.free(p).unwrap();
     a.verify().unwrap();

@@ -392,7 +392,7 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Caps reserved memory at `fraction` of the device (PyTorch's setMemoryFraction).
-    /// 0 allows nothing to be reserved; 1 is the whole device.
+    /// 0 allows nothing to be reserved; 1 removes the cap (`memory_fraction()` is None again).
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
         if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::InvalidConfig {
@@ -402,7 +402,8 @@ impl<D: Device> Allocator<D> {
             });
         }
         let mut st = self.state.lock();
-        st.cfg.memory_fraction = Some(fraction);
+        // As PyTorch: 1 removes the cap.
+        st.cfg.memory_fraction = (fraction < 1.0).then_some(fraction);
         st.update_limit();
         Ok(())
     }
