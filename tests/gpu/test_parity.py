@@ -21,6 +21,9 @@ Cases (each also runnable alone: pytest tests/gpu/test_parity.py -k <name>):
   statistics as native (nothing split, nothing allocated);
 - stat_consistency: memory_stats agree with memory_snapshot (PyTorch's
   _check_memory_stat_consistency) along a sequence of allocations and frees;
+- memory_stats_generator: PyTorch's memory-stats generator (allocated/reserved monotonicity,
+  peaks and their reset, num_sync_all_streams +1 per empty_cache, device counters), on two
+  GPUs interleaved when there are two;
 - sync_counts_multi_gpu: num_sync_all_streams counts every empty_cache on every initialized
   device (2+ GPUs; skipped, identically, on one);
 - graph_reclaim_*: memory freed during a capture with several streams is reused in the same
@@ -326,12 +329,13 @@ mismatches = []
 step = "start"
 ts = []
 torch.manual_seed(0)
-for step in range(60):
+devices = min(torch.cuda.device_count(), 2)
+for step in range(60 * devices):
     if ts and torch.rand(1).item() < 0.4:
         ts.pop(int(torch.randint(len(ts), (1,)).item()))
     else:
         n = int(torch.randint(1, 5 << 20, (1,)).item()) if step % 3 else int(torch.randint(1, 4096, (1,)).item())
-        ts.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+        ts.append(torch.empty(n, dtype=torch.uint8, device=f"cuda:{step % devices}"))
     check()
 del ts
 step = "freed"
@@ -340,6 +344,123 @@ torch.cuda.empty_cache()
 step = "emptied"
 check()
 result(mismatches=mismatches[:20], n_mismatches=len(mismatches))
+"""
+
+CASES["memory_stats_generator"] = """
+# PyTorch's _test_memory_stats_generator (test_cuda.py / test_cuda_multigpu.py), its
+# assertions collected as a list of failures; on two GPUs interleaved as
+# test_memory_stats_multigpu does.
+failures = []
+def expect(cond, what):
+    if not cond:
+        failures.append(what)
+def generator(device, N=35):
+    m0 = torch.cuda.memory_allocated(device)
+    last_m = [m0]
+    max_m = [torch.cuda.max_memory_allocated(device)]
+    last_r = [torch.cuda.memory_reserved(device)]
+    max_r = [torch.cuda.max_memory_reserved(device)]
+    def alloc(*size):
+        with torch.cuda.device(device):
+            return torch.empty(*size, device="cuda")
+    def assert_change(comp=1, empty_cache=False, reset_peak=False, tag=""):
+        new_m = torch.cuda.memory_allocated(device)
+        new_max_m = torch.cuda.max_memory_allocated(device)
+        if comp > 0:
+            expect(new_m > last_m[0], f"{device} {tag} allocated grows")
+        elif comp < 0:
+            expect(new_m < last_m[0], f"{device} {tag} allocated shrinks")
+        else:
+            expect(new_m == last_m[0], f"{device} {tag} allocated same")
+        expect(new_m <= new_max_m and new_max_m >= max_m[0], f"{device} {tag} peak allocated")
+        last_m[0], max_m[0] = new_m, new_max_m
+        new_r = torch.cuda.memory_reserved(device)
+        new_max_r = torch.cuda.max_memory_reserved(device)
+        expect(new_r <= new_max_r and new_max_r >= max_r[0], f"{device} {tag} peak reserved")
+        last_r[0], max_r[0] = new_r, new_max_r
+        if empty_cache:
+            st = torch.cuda.memory_stats(device)
+            n_sync_1 = st.get("num_sync_all_streams", -1)
+            n_alloc_1 = st.get("num_device_alloc", -1)
+            n_free_1 = st.get("num_device_free", -1)
+            expect(n_sync_1 >= 0 and n_free_1 >= 0, f"{device} {tag} counters present")
+            expect(n_alloc_1 >= (0 if new_m == 0 else 1), f"{device} {tag} num_device_alloc")
+            torch.cuda.empty_cache()
+            st = torch.cuda.memory_stats(device)
+            expect(n_sync_1 + 1 == st.get("num_sync_all_streams", -1),
+                   f"{device} {tag} num_sync_all_streams +1 per empty_cache")
+            expect(st.get("num_device_alloc", -1) >= n_alloc_1, f"{device} {tag} num_device_alloc grows")
+            expect(st.get("num_device_free", -1) >= n_free_1, f"{device} {tag} num_device_free grows")
+            new_r = torch.cuda.memory_reserved(device)
+            new_max_r = torch.cuda.max_memory_reserved(device)
+            expect(new_r <= last_r[0] and new_max_r == max_r[0], f"{device} {tag} reserved after empty_cache")
+            last_r[0] = new_r
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+            expect(torch.cuda.memory_allocated(device) == last_m[0], f"{device} {tag} reset allocated")
+            expect(torch.cuda.max_memory_allocated(device) == last_m[0], f"{device} {tag} reset peak")
+            max_m[0] = last_m[0]
+            expect(torch.cuda.memory_reserved(device) == last_r[0], f"{device} {tag} reset reserved")
+            expect(torch.cuda.max_memory_reserved(device) == last_r[0], f"{device} {tag} reset peak reserved")
+            max_r[0] = last_r[0]
+    assert_change(0, tag="start")
+    assert_change(0, reset_peak=True, tag="reset0")
+    assert_change(0, empty_cache=True, tag="empty0")
+    yield
+    tensors1 = [alloc(1), alloc(10, 20), alloc(200, 300, 2000)]
+    m1 = torch.cuda.memory_allocated(device)
+    assert_change(1, tag="t1")
+    yield
+    tensors2 = []
+    for i in range(1, int(N / 2) + 1):
+        tensors2.append(alloc(i, i * 4))
+        assert_change(1, tag=f"small{i}")
+        yield
+    for i in range(5, int(N / 2) + 5):
+        tensors2.append(alloc(i, i * 7, i * 9, i * 11))
+        assert_change(1, reset_peak=(i % 2 == 0), tag=f"large{i}")
+        yield
+    tensors2.append(alloc(0, 0, 0))
+    assert_change(0, tag="empty tensor")
+    yield
+    permute = [tensors2[i] for i in torch.randperm(len(tensors2))]
+    del tensors2
+    assert_change(0, tag="permute")
+    yield
+    tensors2 = permute
+    del permute
+    assert_change(0, reset_peak=True, tag="permuted")
+    yield
+    for i in range(int(N / 2)):
+        x = tensors2[i].numel()
+        del tensors2[i]
+        assert_change(-x, tag=f"del{i}")
+        yield
+    for i in range(2, int(2 * N / 3) + 2):
+        tensors2.append(alloc(i, i * 3, i * 8))
+        assert_change(1, tag=f"again{i}")
+        yield
+    del tensors2
+    assert_change(-1, reset_peak=True, tag="del tensors2")
+    assert_change(0, tag="after del")
+    expect(torch.cuda.memory_allocated(device) == m1, f"{device} back to m1")
+    yield
+    del tensors1
+    assert_change(-1, reset_peak=True, tag="del tensors1")
+    expect(torch.cuda.memory_allocated(device) == m0, f"{device} back to m0")
+    assert_change(0, empty_cache=True, tag="final empty")
+    assert_change(0, reset_peak=True, tag="final reset")
+torch.manual_seed(0)
+gens = [generator(d) for d in range(min(torch.cuda.device_count(), 2))]
+done = [False] * len(gens)
+while not all(done):
+    for i, g in enumerate(gens):
+        if not done[i]:
+            try:
+                next(g)
+            except StopIteration:
+                done[i] = True
+result(failures=failures[:30], n_failures=len(failures), devices=len(gens))
 """
 
 CASES["sync_counts_multi_gpu"] = """
