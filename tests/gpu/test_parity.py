@@ -95,6 +95,7 @@ CASES = {}
 CASES["fraction_api"] = """
 out = {"unset": torch.cuda.get_per_process_memory_fraction()}
 x = torch.ones(1024, device="cuda")
+out["max_split_size"] = torch.cuda.memory_stats()["max_split_size"]
 for bad in (-0.1, 2.0):
     try:
         torch.cuda.set_per_process_memory_fraction(bad)
