@@ -1160,7 +1160,9 @@ void Impl::free_safe_blocks_in_capture(DeviceState& ds, const ffi::Gmlake& c, cu
     }
     ds.n_deferred.store(static_cast<int>(ds.deferred.size()), std::memory_order_release);
   }
-  // Every use is ordered before the stream's next work: free as a block of that stream only.
+  // Every use is ordered before the stream's next work: free as a block of that stream only
+  // (driver work, if any, in relaxed capture mode, as every allocator call during a capture).
+  c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
   for (uint64_t p : ready) {
     ffi::FreeOutcome r = c.clear_stream_uses(p);
     if (r.status == 0) {
