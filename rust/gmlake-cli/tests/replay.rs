@@ -566,7 +566,11 @@ fn replay_predicts_the_gpu_for_the_two_stream_fsdp_job() {
         gpu_reserved("gmlake"),
         err * 100.0
     );
-    assert_eq!(native, gpu_reserved("native"), "native segments in the trace");
+    assert_eq!(
+        native,
+        gpu_reserved("native"),
+        "native segments in the trace"
+    );
     let util = row["utilization"].as_f64().unwrap();
     assert!(util >= 0.97, "utilization {util}");
 }
