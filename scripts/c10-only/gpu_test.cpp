@@ -47,6 +47,13 @@
 #include <utility>
 #include <vector>
 
+// GMLAKE_TEST_TORCH_NUM: the torch version as MAJOR * 100 + MINOR (113, 200, 201, 206).
+#ifndef GMLAKE_TEST_TORCH_NUM
+#error "define GMLAKE_TEST_TORCH_NUM (e.g. 206 for torch 2.6)"
+#endif
+#if GMLAKE_TEST_TORCH_NUM < 200
+#define GMLAKE_TEST_TORCH1 1 // free functions, no allocator class
+#endif
 #ifndef GMLAKE_TEST_TORCH_VERSION
 #define GMLAKE_TEST_TORCH_VERSION "unknown"
 #endif
@@ -145,7 +152,7 @@ void set_fraction(double f) {
   cca::setMemoryFraction(f, 0);
 }
 #else
-using Stats = c10::CachingDeviceAllocator::DeviceStats;
+using Stats = decltype(cca::getDeviceStats(0));
 std::string allocator_name() {
   return cca::get()->name();
 }
@@ -407,7 +414,11 @@ int main(int argc, char** argv) {
     check(backend == expect, "gmlake_c10_backend() names the expected allocator", "\"" + backend + "\", expected \"" + expect + "\"");
 #ifndef GMLAKE_TEST_TORCH1
     check(name == expect, "CUDAAllocator::name() (get()) names the expected allocator", "\"" + name + "\"");
+#if GMLAKE_TEST_TORCH_NUM >= 206
     info(strf("initialized()=%d getMemoryFraction(0)=%g", cca::get()->initialized() ? 1 : 0, cca::getMemoryFraction(0)));
+#else
+    info(strf("initialized()=%d", cca::get()->initialized() ? 1 : 0));
+#endif
 #endif
     const std::string j = gmlake_json();
     if (gm) {
