@@ -183,8 +183,9 @@ void cacheInfo(int dev_id, size_t* cachedAndFree, size_t* largestBlock) {
     Native::cacheInfo(dev_id, cachedAndFree, largestBlock);
     return;
   }
-  // PyTorch's contract: both are maxima to update, not to overwrite.
-  size_t largest = 0;
+  // PyTorch's contract: both are maxima to update, not to overwrite; a zero *largestBlock
+  // asks for an initial guess from the device's free memory (as PyTorch's allocator does).
+  size_t largest = largestBlock != nullptr ? *largestBlock : 0;
   gm().cache_info(dev_id, &largest);
   if (largestBlock != nullptr && largest > *largestBlock) {
     *largestBlock = largest;

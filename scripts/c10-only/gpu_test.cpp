@@ -432,7 +432,7 @@ int main(int argc, char** argv) {
     const Stats before = device_stats();
     info("before: " + stats_line(before));
     void* z = cca::raw_alloc(0);
-    check(true, "raw_alloc(0) returns", strf("%p (PyTorch's allocator returns nullptr)", z));
+    check(z == nullptr, "raw_alloc(0) returns nullptr (as PyTorch's allocator)", strf("%p", z));
     cca::raw_delete(z);
     const std::vector<size_t> sizes = {1, 3, 512, 513, 4096, 65536, MiB - 1, MiB, MiB + 1, 2 * MiB, 2 * MiB + 1,
         3 * MiB + 5, 8 * MiB, 10 * MiB, 10 * MiB + 1, 20 * MiB + 7, 64 * MiB, 100 * MiB + 3, 256 * MiB, GiB + 1};
@@ -532,7 +532,9 @@ int main(int argc, char** argv) {
       page = 2.0 * MiB;
     }
     const size_t block = 4 * static_cast<size_t>(page);
-    const int n = 16;
+    // 17 blocks: the last one stays alive, so no free block ends the mapped range (growing it
+    // in place would be new memory, not a stitch).
+    const int n = 17;
     std::vector<void*> blocks(n, nullptr);
     for (int i = 0; i < n; ++i) {
       blocks[i] = cca::raw_alloc(block);
@@ -574,8 +576,8 @@ int main(int argc, char** argv) {
     info(strf("then one block of %s (%p): ", fmt_bytes(static_cast<long long>(big)).c_str(), s) + stats_line(s1));
     if (gm) {
       info(strf("gmlake: stitches %.0f -> %.0f, pages_stitched %.0f -> %.0f", st0, st1, pg0, pg1));
-      check(largest < big, "no free block was as large as the request (cacheInfo)",
-          strf("largest %s < %s", fmt_bytes(static_cast<long long>(largest)).c_str(), fmt_bytes(static_cast<long long>(big)).c_str()));
+      info(strf("largest cached free block %s, request %s%s", fmt_bytes(static_cast<long long>(largest)).c_str(),
+          fmt_bytes(static_cast<long long>(big)).c_str(), largest < big ? "" : " (a free block was large enough: no stitch needed)"));
       check(st0 >= 0 && st1 > st0, "the request was stitched: gmlake.stitches grew", strf("%.0f -> %.0f", st0, st1));
       check(pg1 > pg0, "gmlake.pages_stitched grew", strf("%.0f -> %.0f", pg0, pg1));
       check(s1.reserved_bytes[0].current <= s0.reserved_bytes[0].current, "reserved did not grow (the stitch reused cached pages)",
@@ -594,7 +596,7 @@ int main(int argc, char** argv) {
         ++bad;
       }
     }
-    check(bad == 0, "the blocks still alive kept their data", strf("%zu of %d damaged", bad, n / 2));
+    check(bad == 0, "the blocks still alive kept their data", strf("%zu of %d damaged", bad, (n + 1) / 2));
     check_snapshot(live, "stitch");
     // Once more after freeing it: a stitched block may be reused whole.
     cca::raw_delete(s);
