@@ -197,6 +197,7 @@ if [ "${NO_STAGE:-0}" != 1 ]; then
   STAGE="$ART/c10-gpu/$VERSION"
   vnum=$(echo "$VERSION" | awk -F. '{print $1 * 100 + $2}')
   # DT_RPATH (not RUNPATH): it applies to the libraries' own dependencies as well.
+  # shellcheck disable=SC2016
   g++ -std=c++17 -O2 -Wall -Wextra -Wno-unused-parameter -Wno-deprecated-declarations \
     -DGMLAKE_TEST_TORCH_NUM="$vnum" -DGMLAKE_TEST_TORCH_VERSION="\"$VERSION\"" \
     -I"$SRC" -I"$BUILD_DIR" "${cinc[@]/#/-I}" scripts/c10-only/gpu_test.cpp -o "$BUILD_DIR/gpu_test" \
@@ -218,6 +219,7 @@ if [ "${NO_STAGE:-0}" != 1 ]; then
     strip --strip-debug "$f"
   done
   for f in "$STAGE.tmp"/*.so*; do
+    # shellcheck disable=SC2016
     patchelf --set-rpath '$ORIGIN' "$f"
   done
   {
@@ -237,9 +239,13 @@ if [ "${NO_STAGE:-0}" != 1 ]; then
   } > "$BUILD_DIR/BUILD-INFO.txt"
   mv "$BUILD_DIR/BUILD-INFO.txt" "$STAGE.tmp/"
   rm -rf "$STAGE" && mv "$STAGE.tmp" "$STAGE"
+  # The runner beside the versions: the folder alone is what a GPU machine needs.
+  cp scripts/c10-gpu-test.sh "$(dirname "$STAGE")/c10-gpu-test.sh"
   glibc=$(for f in "$STAGE"/*.so* "$STAGE/gpu_test"; do objdump -T "$f"; done | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
   glibcxx=$(for f in "$STAGE"/*.so* "$STAGE/gpu_test"; do objdump -T "$f"; done | grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)
-  note "gpu_test: built; staged in $STAGE: $(cd "$STAGE" && ls | grep -v BUILD-INFO | tr '\n' ' ')($(du -sh "$STAGE" | cut -f1); ${extra[*]:-no extra system libraries}); needs $glibc, $glibcxx, RPATH \$ORIGIN"
+  staged=""
+  for f in "$STAGE"/*; do [ "$(basename "$f")" = BUILD-INFO.txt ] || staged+="$(basename "$f") "; done
+  note "gpu_test: built; staged in $STAGE: $staged($(du -sh "$STAGE" | cut -f1); ${extra[*]:-no extra system libraries}); needs $glibc, $glibcxx, RPATH \$ORIGIN"
   # Self-contained: every library resolves from the folder or the C/C++ runtime of the system.
   deps=$(env -u LD_LIBRARY_PATH ldd "$STAGE/gpu_test")
   if echo "$deps" | grep -q 'not found'; then echo "$deps"; fail "staged gpu_test: unresolved libraries"; fi

@@ -5,6 +5,10 @@
 #
 #   scripts/c10-gpu-test.sh [DIR]        DIR: .artifacts/c10-gpu (holds 1.13.1/, 2.6.0/, ...)
 #
+# build-patched-c10.sh also copies this script into that folder, so the folder alone is enough:
+#   bash .artifacts/c10-gpu/c10-gpu-test.sh          (DIR defaults to the script's own folder
+#                                                     when it holds */gpu_test)
+#
 # Per version, gpu_test (scripts/c10-only/gpu_test.cpp) runs in a process of its own per setting:
 #   default                          gmlake (stitch checked in gmlake's counters)
 #   vmmDefragment=0                  PyTorch's native allocator (the control; gmlake-only checks
@@ -15,7 +19,14 @@
 # summary.txt. Exit status: 0 when every run passed, 1 otherwise, 2 nothing to run.
 # Environment: GPU_TEST_TIMEOUT (seconds per run, 600), CUDA_VISIBLE_DEVICES as usual.
 set -uo pipefail
-DIR="${1:-$(cd "$(dirname "$0")/.." && pwd)/.artifacts/c10-gpu}"
+HERE="$(cd "$(dirname "$0")" && pwd)"
+if [ $# -ge 1 ]; then
+  DIR="$1"
+elif compgen -G "$HERE/*/gpu_test" >/dev/null; then
+  DIR="$HERE"
+else
+  DIR="$HERE/../.artifacts/c10-gpu"
+fi
 [ -d "$DIR" ] || { echo "c10-gpu-test: no folder $DIR (build it with scripts/build-patched-c10.sh)" >&2; exit 2; }
 DIR="$(cd "$DIR" && pwd)"
 if [ -n "${OUT:-}" ]; then LOGS="$OUT/c10-gpu-test"; else LOGS="$(mktemp -d /tmp/c10-gpu-test.XXXXXX)"; fi

@@ -643,6 +643,7 @@ int main(int argc, char** argv) {
       }
       p.clear();
       const cudaError_t pending = cudaStreamQuery(s2.stream());
+      (void)cudaGetLastError(); // (cudaErrorNotReady is not an error here)
       c10::DataPtr q = cca::get()->allocate(n);
       CUDA_OK(cudaMemset(q.get(), 0x11, n));
       CUDA_OK(cudaDeviceSynchronize());
