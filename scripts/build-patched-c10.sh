@@ -185,11 +185,12 @@ run_probe() { # want-backend env-and-args...
   case "$out" in *"raised c10::Error"*|*"(a GPU?)"*) ;; *) fail "probe: unexpected: $out" ;; esac
   echo "$out"
 }
-note "probe (C++ through PyTorch's API): $(run_probe gmlake "$PROBE")"
-note "probe, vmmDefragment=0: $(run_probe native vmmDefragment=0 "$PROBE")"
+# (Assignments first: a failure inside $(...) then stops the script under set -e.)
+r=$(run_probe gmlake "$PROBE"); note "probe (C++ through PyTorch's API): $r"
+r=$(run_probe native vmmDefragment=0 "$PROBE"); note "probe, vmmDefragment=0: $r"
 if [ "${MINOR%%.*}" = 2 ]; then
-  note "probe, backend:gmlake: $(run_probe gmlake PYTORCH_CUDA_ALLOC_CONF=backend:gmlake "$PROBE" backend:gmlake)"
-  note "probe, default + settings: $(run_probe gmlake "$PROBE" expandable_segments:False,backend:gmlake)"
+  r=$(run_probe gmlake PYTORCH_CUDA_ALLOC_CONF=backend:gmlake "$PROBE" backend:gmlake); note "probe, backend:gmlake: $r"
+  r=$(run_probe gmlake "$PROBE" expandable_segments:False,backend:gmlake); note "probe, default + settings: $r"
 fi
 
 # ---- the GPU test and what a GPU machine needs to run it
@@ -264,10 +265,11 @@ if [ "${NO_STAGE:-0}" != 1 ]; then
       echo "$out" | tail -20; fail "staged gpu_test (${*:-default}): exit $rc"
     fi
   }
-  note "staged gpu_test, no settings: $(gpu_run gmlake)"
-  note "staged gpu_test, vmmDefragment=0: $(gpu_run native vmmDefragment=0)"
+  # (Assignments first: a failure inside $(...) then stops the script under set -e.)
+  r=$(gpu_run gmlake); note "staged gpu_test, no settings: $r"
+  r=$(gpu_run native vmmDefragment=0); note "staged gpu_test, vmmDefragment=0: $r"
   if [ "${MINOR%%.*}" = 2 ]; then
-    note "staged gpu_test, backend:native: $(gpu_run native PYTORCH_CUDA_ALLOC_CONF=backend:native)"
+    r=$(gpu_run native PYTORCH_CUDA_ALLOC_CONF=backend:native); note "staged gpu_test, backend:native: $r"
   fi
 fi
 
