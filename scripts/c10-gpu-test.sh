@@ -44,7 +44,7 @@ fi
 
 versions=()
 for d in "$DIR"/*/; do
-  [ -x "$d/gpu_test" ] && versions+=("$(basename "$d")")
+  [ -f "$d/gpu_test" ] && versions+=("$(basename "$d")")
 done
 [ ${#versions[@]} -gt 0 ] || { say "c10-gpu-test: no */gpu_test under $DIR"; exit 2; }
 
@@ -53,6 +53,10 @@ ran=0
 rows=()
 for v in "${versions[@]}"; do
   V="$DIR/$v"
+  if [ ! -x "$V/gpu_test" ]; then
+    # (A copy that lost its modes, or a read-only one: run from a writable copy.)
+    chmod +x "$V/gpu_test" 2>/dev/null || { T=$(mktemp -d) && cp -r "$V" "$T/" && V="$T/$v" && chmod +x "$V/gpu_test"; }
+  fi
   say ""
   say "== torch $v ($(head -2 "$V/BUILD-INFO.txt" 2>/dev/null | tail -1))"
   # The folder must be enough: every library found there or in the system's C/C++ runtime.
