@@ -94,6 +94,7 @@ for v in "${versions[@]}"; do
       status=PASS
     else
       status="FAIL (exit $rc)"
+      [ "$rc" = 2 ] && status="FAIL (no usable GPU)"
       [ "$rc" = 124 ] && status="FAIL (timeout ${TIMEOUT}s)"
       failed=$((failed + 1))
     fi
