@@ -15,7 +15,8 @@
 # libc10_cuda.so, the libcudart.so.N the build used, libraries of the system that libc10 needs
 # (libcpuinfo.so.0 on 2.x) and gpu_test, stripped of debug information, RPATH $ORIGIN; run it
 # there with scripts/c10-gpu-test.sh (docs/patched-builds.md, "On a GPU"). Here, without a GPU,
-# the staged gpu_test must start and stop with its "no usable CUDA device" message.
+# the staged gpu_test must start and stop with its "no usable CUDA device" message, and pass
+# every check over a fake CUDA runtime and driver on host memory (scripts/c10-only/fake_cuda.c).
 #
 #   scripts/build-patched-c10.sh VERSION SRC_DIR
 #     VERSION: 1.13.1, 2.0.1, 2.1.2 or 2.6.0 (patches/pytorch-VERSION.patch)
@@ -23,7 +24,8 @@
 #
 # Environment: BUILD_DIR (build/c10-VERSION), JOBS (nproc), GMLAKE_ARTIFACTS (.artifacts),
 # GMLAKE_CARGO_TARGET_DIR (build/c10-cargo, shared by the versions), CUDA_SERIES (the one the
-# version's wheels use), NO_STAGE=1 (no gpu_test, no staging). Needs cmake, ninja (or make),
+# version's wheels use), NO_STAGE=1 (no gpu_test, no staging), NO_DRY_RUN=1 (no dry run of
+# gpu_test over scripts/c10-only/fake_cuda.c, about a minute). Needs cmake, ninja (or make),
 # g++, python3, cargo, patch, binutils, patchelf; on Debian also libfmt-dev, and
 # nlohmann-json3-dev and libcpuinfo-dev for 2.x (installed with apt-get when missing). Writes a
 # summary to BUILD_DIR/summary.txt.
@@ -32,7 +34,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 if [ $# -ne 2 ]; then
-  sed -n '2,30p' "$0"; exit 2
+  sed -n '2,31p' "$0"; exit 2
 fi
 VERSION="$1"
 SRC="$(cd "$2" && pwd)"
@@ -270,6 +272,36 @@ if [ "${NO_STAGE:-0}" != 1 ]; then
   r=$(gpu_run native vmmDefragment=0); note "staged gpu_test, vmmDefragment=0: $r"
   if [ "${MINOR%%.*}" = 2 ]; then
     r=$(gpu_run native PYTORCH_CUDA_ALLOC_CONF=backend:native); note "staged gpu_test, backend:native: $r"
+  fi
+
+  # Dry run on the CPU: the staged gpu_test, libc10 and libc10_cuda over a fake CUDA runtime and
+  # driver (scripts/c10-only/fake_cuda.c: host memory, memfd-backed virtual memory), every stage
+  # and check, per backend setting. Catches what needs no GPU to go wrong (the API calls, the
+  # test's own logic, gmlake's stitch through real page aliasing); says nothing of CUDA itself.
+  if [ "${NO_DRY_RUN:-0}" != 1 ]; then
+    DRY="$BUILD_DIR/dry"
+    rm -rf "$DRY" && mkdir -p "$DRY"
+    for f in "$STAGE"/*; do [ "$(basename "$f")" = BUILD-INFO.txt ] || cp "$f" "$DRY/"; done
+    chmod -R u+w "$DRY"
+    so=$(basename "$CUDART")
+    echo "$so { global: *; };" > "$BUILD_DIR/fake_cuda.map"
+    gcc -shared -fPIC -O1 -w "${cinc[@]/#/-I}" scripts/c10-only/fake_cuda.c -o "$DRY/$so" \
+      -Wl,-soname,"$so" -Wl,--version-script="$BUILD_DIR/fake_cuda.map" -lpthread \
+      || fail "scripts/c10-only/fake_cuda.c does not build"
+    ln -sf "$so" "$DRY/libcuda.so.1"
+    dry_run() { # label want env...
+      local label="$1" want="$2"; shift 2
+      local log="$BUILD_DIR/dry-${label//[:=]/-}.log" rc=0
+      (cd "$DRY" && env -u LD_LIBRARY_PATH -u vmmDefragment -u PYTORCH_CUDA_ALLOC_CONF "$@" \
+        timeout 900 ./gpu_test --expect "$want") > "$log" 2>&1 || rc=$?
+      [ "$rc" = 0 ] || { grep -E 'FAIL|terminate|what\(\)' "$log" | head -20; tail -5 "$log"; fail "dry run ($label): exit $rc (log: $log)"; }
+      grep '^RESULT' "$log" | sed 's/^RESULT //'
+    }
+    r=$(dry_run default gmlake); note "dry run (fake CUDA on the CPU), default: $r"
+    r=$(dry_run vmmDefragment=0 native vmmDefragment=0); note "dry run, vmmDefragment=0: $r"
+    if [ "${MINOR%%.*}" = 2 ]; then
+      r=$(dry_run backend:native native PYTORCH_CUDA_ALLOC_CONF=backend:native); note "dry run, backend:native: $r"
+    fi
   fi
 fi
 

@@ -63,6 +63,19 @@ extern "C" const char* gmlake_c10_stats_json(int device);
 
 namespace cca = c10::cuda::CUDACachingAllocator;
 
+#if GMLAKE_TEST_TORCH_NUM >= 201
+// c10 asks "does device N have a primary context?" (MaybeSetDevice, e.g. when the stream pools
+// are set up) through a hook that libtorch_cuda fills in; c10 alone has a stub that throws
+// "Should never been called". This program plays libtorch_cuda's part (see main).
+namespace c10 {
+namespace cuda {
+namespace _internal {
+C10_CUDA_API void setHasPrimaryContext(bool (*func)(c10::DeviceIndex));
+} // namespace _internal
+} // namespace cuda
+} // namespace c10
+#endif
+
 namespace {
 
 constexpr size_t KiB = 1024;
@@ -404,6 +417,11 @@ int main(int argc, char** argv) {
   std::printf("device 0 of %d: %s, sm_%d%d, total %s, free %s\n", ndev, prop.name, prop.major, prop.minor,
       fmt_bytes(static_cast<long long>(dev_total)).c_str(), fmt_bytes(static_cast<long long>(dev_free)).c_str());
 
+#if GMLAKE_TEST_TORCH_NUM >= 201
+  // Device 0's primary context exists (cudaSetDevice + cudaMemGetInfo above made it); no other
+  // device is touched.
+  c10::cuda::_internal::setHasPrimaryContext([](c10::DeviceIndex d) { return d == 0; });
+#endif
   // As torch's lazy CUDA init does.
   cca::init(ndev);
   const std::string backend = gmlake_c10_backend();
