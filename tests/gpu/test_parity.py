@@ -166,7 +166,9 @@ result(**out)
 """
 
 CASES["roundup"] = """
-# PyTorch's test_allocator_settings, the part that needs no expandable segments.
+# PyTorch's test_allocator_settings, the part that needs no expandable segments. CUDA is
+# initialized first, as in PyTorch's suite (native's memory_stats() is {} before).
+torch.cuda.init()
 def power2_div(size, div_factor):
     pow2 = 1
     while pow2 < size:
@@ -350,7 +352,9 @@ result(mismatches=mismatches[:20], n_mismatches=len(mismatches))
 CASES["memory_stats_generator"] = """
 # PyTorch's _test_memory_stats_generator (test_cuda.py / test_cuda_multigpu.py), its
 # assertions collected as a list of failures; on two GPUs interleaved as
-# test_memory_stats_multigpu does.
+# test_memory_stats_multigpu does. CUDA is initialized first, as in PyTorch's suite (native
+# refuses reset_peak_memory_stats before).
+torch.cuda.init()
 failures = []
 def expect(cond, what):
     if not cond:
