@@ -21,7 +21,9 @@ pub mod stats;
 
 pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
 pub use config::{parse_size, Config, StitchStrategy};
-pub use device::{Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId};
+pub use device::{
+    Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostPtr, PhysHandle, StreamId,
+};
 pub use error::{Error, OomInfo, Result};
 pub use ipc::{IpcHandle, SharedPages};
 pub use sim::SimDevice;
