@@ -18,6 +18,7 @@ pub mod ipc;
 mod keys;
 pub mod sim;
 pub mod stats;
+pub mod tier;
 
 pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
 pub use config::{parse_size, Config, StitchStrategy};
@@ -30,4 +31,8 @@ pub use sim::SimDevice;
 pub use stats::{
     BlockInfo, BlockState, DeviceStats, DriverCalls, PoolKind, SegmentInfo, Snapshot, Stat,
     StatArray,
+};
+pub use tier::{
+    EvictionPolicy, Fetched, Lru, SizeLatencyAware, TensorId, TensorState, Tier, TierConfig,
+    TierStats,
 };
