@@ -393,8 +393,8 @@ fn unknown(id: TensorId) -> Error {
 enum Pressure {
     /// Evict, and wait for the device when evictions must complete first (create, get).
     Wait,
-    /// Evict only tensors needed after `next_use`, never wait (prefetch): None if no room now.
-    NoWait { next_use: u64 },
+    /// Neither evict nor wait (prefetch): None if there is no room now.
+    NoWait,
 }
 
 impl<D: Device> Tier<D> {
@@ -513,6 +513,24 @@ impl<D: Device> Tier<D> {
         e.last_touch = touch;
         g.stats.puts += 1;
         Ok(())
+    }
+
+    /// Starts evicting a put tensor now (a client that knows it is not needed for long), without
+    /// waiting: the tensor is Evicting until its copy out completes (`poll`, `advance`).
+    pub fn offload(&self, id: TensorId) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.reap(&mut g)?;
+        match g.entries.get(&id).map(|e| &e.state) {
+            None => Err(unknown(id)),
+            Some(State::Put { copy_in: None, .. }) => self.evict(&mut g, id),
+            Some(State::Evicting { .. } | State::Evicted { .. }) => Ok(()),
+            Some(s) => Err(Error::InvalidState(format!(
+                "offload of tier tensor {} in state {:?} (put it first, and let its copy back \
+                 complete)",
+                id.0,
+                s.public()
+            ))),
+        }
     }
 
     /// Makes sure the tensor is on the device for use on `stream`, copying it back if it was
@@ -637,8 +655,11 @@ impl<D: Device> Tier<D> {
 
     /// Moves the clock to `now` (never backwards), completes finished copies, and starts
     /// copying back evicted tensors whose next use is within reach: at most
-    /// [`TierConfig::lookahead`] ticks ahead, soonest first, as long as they fit without
-    /// evicting anything needed before them and without waiting for the device.
+    /// [`TierConfig::lookahead`] ticks ahead, soonest first, as long as they fit in the room
+    /// free now (under the budget, and in the allocator without its out-of-memory). A prefetch
+    /// never evicts and never waits: evicting for a prefetch trades a tensor needed soon for one
+    /// needed a little later, which on the synthetic forward/backward job of
+    /// `examples/tier_fwd_bwd.rs` moved more bytes than it saved, whatever the policy.
     pub fn advance(&self, now: u64) -> Result<()> {
         let mut g = self.inner.lock();
         g.now = g.now.max(now);
@@ -655,15 +676,13 @@ impl<D: Device> Tier<D> {
             })
             .collect();
         due.sort();
-        for (t, id) in due {
+        for (_, id) in due {
             let e = &g.entries[&id];
             let (bytes, stream) = (e.bytes, e.stream);
             let State::Evicted { host } = e.state else {
                 continue;
             };
-            let Some(ptr) =
-                self.device_memory(&mut g, bytes, stream, Pressure::NoWait { next_use: t })?
-            else {
+            let Some(ptr) = self.device_memory(&mut g, bytes, stream, Pressure::NoWait)? else {
                 break; // later ones would take room from this one
             };
             let event = match self.copy_in(&mut g, ptr, host, bytes, stream) {
@@ -953,24 +972,21 @@ impl<D: Device> Tier<D> {
                 .device_budget
                 .map_or(0, |b| (g.stats.device_bytes + bytes).saturating_sub(b));
             if over > 0 {
+                if pressure == Pressure::NoWait {
+                    return Ok(None);
+                }
                 let need = over.saturating_sub(in_flight);
                 let evicted = if need > 0 {
-                    self.evict_for(g, need, pressure)?
+                    self.evict_for(g, need)?
                 } else {
                     0
                 };
                 if evicted == 0 && in_flight == 0 {
-                    return match pressure {
-                        Pressure::Wait => Err(self.over_budget(
-                            g,
-                            bytes,
-                            "the tier's device budget is held by tensors in use",
-                        )),
-                        Pressure::NoWait { .. } => Ok(None),
-                    };
-                }
-                if pressure != Pressure::Wait {
-                    return Ok(None);
+                    return Err(self.over_budget(
+                        g,
+                        bytes,
+                        "the tier's device budget is held by tensors in use",
+                    ));
                 }
                 // Evictions must complete before their blocks go back.
                 self.wait(g)?;
@@ -978,21 +994,16 @@ impl<D: Device> Tier<D> {
             }
             match self.alloc.allocate(bytes, stream) {
                 Ok(p) => return Ok(Some(p)),
+                Err(Error::OutOfMemory(_)) if pressure == Pressure::NoWait => return Ok(None),
                 Err(Error::OutOfMemory(info)) => {
                     let need = bytes.saturating_sub(in_flight);
                     let evicted = if need > 0 {
-                        self.evict_for(g, need, pressure)?
+                        self.evict_for(g, need)?
                     } else {
                         0
                     };
                     if evicted == 0 && in_flight == 0 {
-                        return match pressure {
-                            Pressure::Wait => Err(Error::OutOfMemory(info)),
-                            Pressure::NoWait { .. } => Ok(None),
-                        };
-                    }
-                    if pressure != Pressure::Wait {
-                        return Ok(None);
+                        return Err(Error::OutOfMemory(info));
                     }
                     self.wait(g)?;
                 }
@@ -1008,8 +1019,8 @@ impl<D: Device> Tier<D> {
     }
 
     /// Evicts put tensors (the policy chooses) to free `need` bytes; returns the bytes whose
-    /// eviction started. Prefetch (NoWait) only takes tensors needed after its own.
-    fn evict_for(&self, g: &mut Inner, need: u64, pressure: Pressure) -> Result<u64> {
+    /// eviction started.
+    fn evict_for(&self, g: &mut Inner, need: u64) -> Result<u64> {
         let cands: Vec<Candidate> = g
             .entries
             .iter()
@@ -1022,19 +1033,9 @@ impl<D: Device> Tier<D> {
                 }),
                 _ => None,
             })
-            .filter(|c| match pressure {
-                Pressure::Wait => true,
-                Pressure::NoWait { next_use } => c.next_use.is_none_or(|t| t > next_use),
-            })
             .collect();
         if cands.is_empty() {
             return Ok(0);
-        }
-        if let Pressure::NoWait { .. } = pressure {
-            // A prefetch evicts only if that covers its need.
-            if cands.iter().map(|c| c.bytes).sum::<u64>() < need {
-                return Ok(0);
-            }
         }
         let chosen = g.policy.choose(&cands, need, g.now, &g.cfg);
         let mut freed = 0;

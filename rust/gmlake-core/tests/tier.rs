@@ -93,29 +93,30 @@ fn eviction_frees_the_block_only_after_its_copy_completed() {
     let (a, pa) = t.create(6 * MIB, 0).unwrap();
     dev(&t).fill(pa, 6 * MIB, 1, 0).unwrap();
     t.put(a, None).unwrap();
-    let before = t.allocator().stats().allocated_bytes.aggregate().current;
-    // Budget pressure: the create waits for the device (the copy out) before it allocates.
-    let (b, _) = t.create(4 * MIB, 0).unwrap();
-    assert_eq!(t.state(a), Some(TensorState::Evicted));
-    assert_eq!(t.stats().waits, 1);
-    assert!(
-        t.allocator().allocation(pa).is_none()
-            || pa != t.allocator().allocation(pa).unwrap().ptr
-            || before > 0
-    );
+    t.offload(a).unwrap();
+    // The copy out is queued: the block stays allocated and counted.
+    t.poll().unwrap();
+    assert_eq!(t.state(a), Some(TensorState::Evicting));
+    assert_eq!(t.allocator().allocation(pa).map(|x| x.ptr), Some(pa));
+    assert_eq!(t.stats().device_bytes, 6 * MIB);
     check(&t);
-    // An eviction started by a prefetch is not waited for: state Evicting until completion.
-    t.put(b, Some(50)).unwrap();
-    let (c, pc) = t.create(2 * MIB, 1).unwrap();
-    dev(&t).fill(pc, 2 * MIB, 3, 1).unwrap();
-    t.put(c, Some(100)).unwrap();
-    // a (needed at 10) comes back; b (50) must make room, c (100) too if needed.
-    t.put(a, None).ok(); // a is evicted: put is refused
+    dev(&t).complete_all();
+    t.poll().unwrap();
     assert_eq!(t.state(a), Some(TensorState::Evicted));
+    assert!(t.allocator().allocation(pa).is_none());
+    assert_eq!(t.stats().device_bytes, 0);
+    // Budget pressure with the eviction in flight: the create waits for the device.
+    let (b, pb) = t.create(6 * MIB, 0).unwrap();
+    dev(&t).fill(pb, 6 * MIB, 2, 0).unwrap();
+    t.put(b, None).unwrap();
+    let waits = t.stats().waits;
+    let (c, _) = t.create(4 * MIB, 1).unwrap();
+    assert_eq!(t.stats().waits, waits + 1);
+    assert_eq!(t.state(b), Some(TensorState::Evicted));
     check(&t);
-    t.free(a).unwrap();
-    t.free(b).unwrap();
-    t.free(c).unwrap();
+    for id in [a, b, c] {
+        t.free(id).unwrap();
+    }
     t.flush().unwrap();
     assert_eq!(dev(&t).host_buffers(), (0, 0));
     check(&t);
@@ -142,7 +143,7 @@ fn put_is_refused_unless_resident_and_unknown_ids_fail() {
 }
 
 #[test]
-fn get_during_eviction_rescues_the_tensor() {
+fn get_copies_back_on_its_stream_and_evicts_the_oldest_put() {
     let t = tier(
         SimDevice::new(1 << 30).asynchronous(),
         Some(10 * MIB),
@@ -175,8 +176,6 @@ fn get_during_eviction_rescues_the_tensor() {
 
 #[test]
 fn rescue_of_an_eviction_in_flight() {
-    // Without a budget and with room, evictions come only from prefetch: a prefetch of a
-    // tensor needed soon evicts one needed later, without waiting.
     let t = tier(
         SimDevice::new(1 << 30).asynchronous(),
         Some(8 * MIB),
@@ -184,54 +183,78 @@ fn rescue_of_an_eviction_in_flight() {
     );
     let (x, px) = t.create(4 * MIB, 0).unwrap();
     dev(&t).fill(px, 4 * MIB, 21, 0).unwrap();
-    t.put(x, Some(5)).unwrap();
-    let (y, py) = t.create(4 * MIB, 0).unwrap();
-    dev(&t).fill(py, 4 * MIB, 22, 0).unwrap();
-    t.put(y, Some(1000)).unwrap();
-    // x out (waiting): make room for z.
-    let (z, _) = t.create(4 * MIB, 0).unwrap();
-    assert_eq!(t.state(x), Some(TensorState::Evicted));
-    t.put(z, Some(2000)).unwrap();
-    // x is due at 5: prefetch evicts a tensor needed later (LRU order among y, z: y).
-    t.advance(4).unwrap();
-    assert_eq!(t.state(y), Some(TensorState::Evicting));
-    assert_eq!(
-        t.state(x),
-        Some(TensorState::Evicted),
-        "no room until y is out"
+    assert!(
+        matches!(t.offload(x), Err(Error::InvalidState(_))),
+        "resident"
     );
-    // Get y while its copy out is in flight: rescued, data intact.
-    let f = t.get(y, 0).unwrap();
-    assert!(f.hit);
-    assert_eq!(t.state(y), Some(TensorState::Resident));
+    t.put(x, Some(5)).unwrap();
+    t.offload(x).unwrap();
+    assert_eq!(t.state(x), Some(TensorState::Evicting));
+    t.offload(x).unwrap(); // already on its way
+    check(&t);
+    // Get while the copy out is in flight: rescued, the data never left.
+    let f = t.get(x, 0).unwrap();
+    assert!(f.hit && f.event.is_none());
+    assert_eq!(t.state(x), Some(TensorState::Resident));
     assert_eq!(t.stats().rescues, 1);
+    assert_eq!(
+        t.stats().host_bytes,
+        4 * MIB,
+        "the buffer waits for the copy out"
+    );
+    // A kernel writing x on its stream is ordered after the copy out: no hazard.
+    dev(&t).fill(f.ptr, 4 * MIB, 22, 0).unwrap();
+    check(&t);
     dev(&t).complete_all();
     t.poll().unwrap();
+    assert_eq!(t.stats().host_bytes, 0);
+    assert_eq!(
+        dev(&t).checksum(f.ptr, 4 * MIB).unwrap(),
+        SimDevice::fill_checksum(4 * MIB, 22)
+    );
+    // Offload, complete, prefetch back, complete: Put again, not asked for yet.
+    t.put(x, Some(50)).unwrap();
+    t.offload(x).unwrap();
+    dev(&t).complete_all();
+    t.advance(10).unwrap();
+    assert_eq!(t.state(x), Some(TensorState::Evicted));
+    t.advance(49).unwrap();
+    assert_eq!(t.state(x), Some(TensorState::Fetching));
+    dev(&t).complete_all();
+    t.poll().unwrap();
+    assert_eq!(t.state(x), Some(TensorState::Put));
+    let f = t.get(x, 0).unwrap();
+    assert!(f.hit && f.event.is_none());
     assert_eq!(
         dev(&t).checksum(f.ptr, 4 * MIB).unwrap(),
         SimDevice::fill_checksum(4 * MIB, 22)
     );
     check(&t);
-    // Now z goes for x.
-    t.advance(4).unwrap();
-    assert_eq!(t.state(z), Some(TensorState::Evicting));
-    dev(&t).complete_all();
-    t.advance(4).unwrap();
-    assert_eq!(t.state(x), Some(TensorState::Fetching));
-    assert_eq!(t.stats().prefetches, 1);
-    dev(&t).complete_all();
-    t.poll().unwrap();
+}
+
+#[test]
+fn prefetch_never_evicts() {
+    let t = tier(
+        SimDevice::new(1 << 30).asynchronous(),
+        Some(8 * MIB),
+        Box::new(Lru),
+    );
+    let (x, _) = t.create(4 * MIB, 0).unwrap();
+    t.put(x, Some(5)).unwrap();
+    t.offload(x).unwrap();
+    let (y, _) = t.create(6 * MIB, 0).unwrap();
+    t.put(y, Some(1000)).unwrap();
+    t.advance(5).unwrap();
     assert_eq!(
         t.state(x),
-        Some(TensorState::Put),
-        "prefetched, not asked for yet"
+        Some(TensorState::Evicted),
+        "no room, and no eviction for it"
     );
+    assert_eq!(t.state(y), Some(TensorState::Put));
+    // The get evicts y on demand.
     let f = t.get(x, 0).unwrap();
-    assert!(f.hit && f.event.is_none());
-    assert_eq!(
-        dev(&t).checksum(f.ptr, 4 * MIB).unwrap(),
-        SimDevice::fill_checksum(4 * MIB, 21)
-    );
+    assert!(!f.hit);
+    assert_eq!(t.state(y), Some(TensorState::Evicted));
     check(&t);
 }
 
@@ -477,7 +500,6 @@ pub fn forward_backward(
 }
 
 #[test]
-#[ignore = "policy scenario being tuned"]
 fn aware_moves_fewer_bytes_than_lru_on_forward_backward() {
     for budget in [24 * MIB, 32 * MIB, 40 * MIB] {
         let lru = forward_backward(Box::new(Lru), budget, 3);
