@@ -76,8 +76,8 @@ pub struct Fetched {
     pub ptr: DevicePtr,
     /// The stream asked for: the tensor belongs to it from now on.
     pub stream: StreamId,
-    /// When a copy into the block is still in flight: the event recorded after it, and the
-    /// stream it was queued on. Work queued on that stream after `get` sees the contents; work
+    /// When a copy into (or, for a rescued eviction, out of) the block is still in flight: the
+    /// event recorded after it, and the stream it was queued on. Work queued on that stream after `get` sees the contents; work
     /// on another stream waits for the event first (valid until the next call into the tier).
     pub event: Option<(EventHandle, StreamId)>,
     /// True if the tensor was on the device (or on its way back by prefetch) when asked for.
@@ -542,6 +542,7 @@ impl<D: Device> Tier<D> {
         let touch = g.touch;
         let e = g.entries.get(&id).ok_or_else(|| unknown(id))?;
         let (bytes, old_stream) = (e.bytes, e.stream);
+        let mut rescued = None;
         let (ptr, copy_in, hit) = match e.state {
             State::Resident { ptr, copy_in } | State::Put { ptr, copy_in } => (ptr, copy_in, true),
             State::Fetching { ptr, host, event } => (
@@ -555,7 +556,8 @@ impl<D: Device> Tier<D> {
             ),
             State::Evicting { ptr, host, event } => {
                 // The copy out only reads the block: the data is still there. The host buffer
-                // goes once the copy out is done.
+                // goes once the copy out is done; work on another stream must not write the
+                // block before that either (the event is returned, as for a copy in).
                 g.zombies.push(Zombie {
                     ptr: None,
                     host: Some(host),
@@ -563,6 +565,7 @@ impl<D: Device> Tier<D> {
                     event,
                 });
                 g.stats.rescues += 1;
+                rescued = Some((event, old_stream));
                 (ptr, None, true)
             }
             State::Evicted { host } => {
@@ -611,7 +614,7 @@ impl<D: Device> Tier<D> {
         Ok(Fetched {
             ptr,
             stream,
-            event: copy_in.map(|c| (c.event, c.stream)),
+            event: copy_in.map(|c| (c.event, c.stream)).or(rescued),
             hit,
         })
     }

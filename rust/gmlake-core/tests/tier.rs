@@ -194,7 +194,12 @@ fn rescue_of_an_eviction_in_flight() {
     check(&t);
     // Get while the copy out is in flight: rescued, the data never left.
     let f = t.get(x, 0).unwrap();
-    assert!(f.hit && f.event.is_none());
+    assert!(f.hit);
+    assert_eq!(
+        f.event.map(|e| e.1),
+        Some(0),
+        "the copy out's event, on its stream"
+    );
     assert_eq!(t.state(x), Some(TensorState::Resident));
     assert_eq!(t.stats().rescues, 1);
     assert_eq!(
