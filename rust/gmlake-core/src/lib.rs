@@ -19,6 +19,7 @@ mod keys;
 pub mod sim;
 pub mod stats;
 pub mod tier;
+pub mod tier_trace;
 
 pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
 pub use config::{parse_size, Config, StitchStrategy};

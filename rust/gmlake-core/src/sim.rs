@@ -150,6 +150,8 @@ pub struct SimDevice {
     /// When true, recorded events stay pending until [`SimDevice::complete_all`] or
     /// `synchronize`, modelling kernels still in flight.
     asynchronous: bool,
+    /// Whether fills and copies model contents (off for fast replays of large traces).
+    contents: bool,
     state: Mutex<SimState>,
 }
 
@@ -172,6 +174,7 @@ impl SimDevice {
             capacity,
             granularity,
             asynchronous: false,
+            contents: true,
             state: Mutex::new(SimState {
                 next_va: VA_BASE,
                 next_handle: 1,
@@ -185,6 +188,13 @@ impl SimDevice {
     /// Events recorded from now on stay pending until completed explicitly.
     pub fn asynchronous(mut self) -> SimDevice {
         self.asynchronous = true;
+        self
+    }
+
+    /// Copies and fills are checked and counted but move no contents (checksums read zeros):
+    /// for replays of large traces, where modelling every 512 bytes would be slow.
+    pub fn without_contents(mut self) -> SimDevice {
+        self.contents = false;
         self
     }
 
@@ -204,6 +214,7 @@ impl SimDevice {
         let dst = st.device_segs(addr, len, "fill")?;
         st.issue(
             self.asynchronous,
+            self.contents,
             PendingOp {
                 stream,
                 what: "fill",
@@ -470,7 +481,10 @@ impl SimState {
 
     /// Runs `op` now (synchronous device) or queues it, recording a hazard if queued work of
     /// another stream conflicts with it.
-    fn issue(&mut self, asynchronous: bool, op: PendingOp) {
+    fn issue(&mut self, asynchronous: bool, contents: bool, op: PendingOp) {
+        if !contents {
+            return;
+        }
         if !asynchronous {
             self.run(op);
             return;
@@ -777,6 +791,7 @@ impl Device for SimDevice {
         st.d2h_bytes += len as u64;
         st.issue(
             self.asynchronous,
+            self.contents,
             PendingOp {
                 stream,
                 what: "copy_d2h_async",
@@ -799,6 +814,7 @@ impl Device for SimDevice {
         st.h2d_bytes += len as u64;
         st.issue(
             self.asynchronous,
+            self.contents,
             PendingOp {
                 stream,
                 what: "copy_h2d_async",
