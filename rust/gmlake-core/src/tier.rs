@@ -966,7 +966,8 @@ impl<D: Device> Tier<D> {
                 return Err(self.over_budget(g, bytes, "larger than the tier's device budget"));
             }
         }
-        // Each round evicts more, or waits for evictions in flight: it ends.
+        // Each round evicts more, or waits for evictions or copies back in flight (after which
+        // they are done, or their tensors evictable): it ends.
         loop {
             self.reap(g)?;
             let in_flight = g.evicting_bytes();
@@ -984,7 +985,7 @@ impl<D: Device> Tier<D> {
                 } else {
                     0
                 };
-                if evicted == 0 && in_flight == 0 {
+                if evicted == 0 && in_flight == 0 && !g.put_with_copy_in() {
                     return Err(self.over_budget(
                         g,
                         bytes,
@@ -1005,7 +1006,7 @@ impl<D: Device> Tier<D> {
                     } else {
                         0
                     };
-                    if evicted == 0 && in_flight == 0 {
+                    if evicted == 0 && in_flight == 0 && !g.put_with_copy_in() {
                         return Err(Error::OutOfMemory(info));
                     }
                     self.wait(g)?;
@@ -1082,6 +1083,19 @@ impl Inner {
         s.host_bytes = (s.host_bytes as i64 + d) as u64;
         s.peak_host_bytes = s.peak_host_bytes.max(s.host_bytes);
     }
+    /// Whether a put tensor waits for its copy back to complete before it can be evicted.
+    fn put_with_copy_in(&self) -> bool {
+        self.entries.values().any(|e| {
+            matches!(
+                e.state,
+                State::Put {
+                    copy_in: Some(_),
+                    ..
+                }
+            )
+        })
+    }
+
     /// Device bytes of evictions in flight (freed once their copies complete).
     fn evicting_bytes(&self) -> u64 {
         self.entries

@@ -525,3 +525,26 @@ fn aware_moves_fewer_bytes_than_lru_on_forward_backward() {
         assert!(lru.peak_device_bytes <= budget && aware.peak_device_bytes <= budget);
     }
 }
+
+#[test]
+fn tier_is_send_and_sync_and_waits_for_a_copy_back_before_evicting_it() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Tier<Arc<SimDevice>>>();
+    let t = tier(
+        SimDevice::new(1 << 30).asynchronous(),
+        Some(8 * MIB),
+        Box::new(Lru),
+    );
+    let (x, _) = t.create(6 * MIB, 0).unwrap();
+    t.put(x, None).unwrap();
+    t.offload(x).unwrap();
+    dev(&t).complete_all();
+    let f = t.get(x, 0).unwrap();
+    assert!(!f.hit && f.event.is_some());
+    t.put(x, None).unwrap(); // its copy back is still in flight
+    assert!(matches!(t.offload(x), Err(Error::InvalidState(_))));
+    // Room for y needs x out: the tier waits for the copy back, then evicts x.
+    let (_y, _) = t.create(4 * MIB, 0).unwrap();
+    assert_eq!(t.state(x), Some(TensorState::Evicted));
+    check(&t);
+}
