@@ -89,8 +89,9 @@ pub struct Fetched {
 pub struct TierConfig {
     /// The most device bytes the tier's tensors may hold (None: only the allocator's limit).
     pub device_budget: Option<u64>,
-    /// Host <-> device bandwidth in bytes per second (default 25e9: pinned copies over PCIe
-    /// Gen5 x16 on an H100, as measured for `cudaMemcpyAsync` of large buffers).
+    /// Host <-> device bandwidth in bytes per second (default 25e9: the order of what pinned
+    /// copies of large buffers reach over PCIe Gen5 x16 on an H100 in published measurements;
+    /// not measured by this project yet — set it from a measurement on the machine).
     pub bandwidth: f64,
     /// Fixed cost of one copy in seconds (launch and DMA setup; default 10 µs).
     pub copy_latency: f64,
