@@ -548,3 +548,31 @@ fn tier_is_send_and_sync_and_waits_for_a_copy_back_before_evicting_it() {
     assert_eq!(t.state(x), Some(TensorState::Evicted));
     check(&t);
 }
+
+#[test]
+fn dropping_the_tier_gives_everything_back() {
+    let d = Arc::new(SimDevice::new(1 << 30).asynchronous());
+    let alloc = Arc::new(Allocator::new(d.clone(), Config::default()).unwrap());
+    {
+        let t = Tier::new(
+            alloc.clone(),
+            TierConfig {
+                device_budget: Some(8 * MIB),
+                ..TierConfig::default()
+            },
+            Box::new(Lru),
+        );
+        let (a, _) = t.create(4 * MIB, 0).unwrap();
+        t.put(a, Some(3)).unwrap();
+        t.offload(a).unwrap(); // Evicting at drop
+        let (b, _) = t.create(2 * MIB, 0).unwrap();
+        t.put(b, None).unwrap();
+        let (_c, _) = t.create(MIB, 1).unwrap(); // Resident at drop
+        assert!(d.host_buffers().0 > 0);
+    }
+    assert_eq!(d.host_buffers(), (0, 0));
+    assert_eq!(alloc.stats().allocated_bytes.aggregate().current, 0);
+    assert!(d.hazards().is_empty(), "{:?}", d.hazards());
+    alloc.empty_cache().unwrap();
+    assert_eq!(d.live_events(), 0, "pooled events destroyed");
+}

@@ -1,5 +1,5 @@
 //! Property tests of the host tier: random create / put / get / free / offload / fill /
-//! advance / completion sequences on a small asynchronous simulated device, with and without a
+//! advance / completion sequences on a small simulated device (asynchronous mostly), with and without a
 //! device budget and with either policy, checking after every step that
 //! - the tier's invariants hold (`Tier::verify`: states, accounting, budget) and the
 //!   allocator's too;
@@ -58,8 +58,18 @@ struct Model {
     stream: u64,
 }
 
-fn run(budget: Option<u64>, aware: bool, ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let dev = Arc::new(SimDevice::new(48 * MIB).asynchronous());
+fn run(
+    budget: Option<u64>,
+    aware: bool,
+    asynchronous: bool,
+    ops: Vec<Op>,
+) -> Result<(), TestCaseError> {
+    let dev = SimDevice::new(48 * MIB);
+    let dev = Arc::new(if asynchronous {
+        dev.asynchronous()
+    } else {
+        dev
+    });
     let alloc = Arc::new(Allocator::new(dev.clone(), Config::default()).unwrap());
     let policy: Box<dyn EvictionPolicy> = if aware {
         Box::new(SizeLatencyAware::default())
@@ -233,8 +243,9 @@ proptest! {
     fn random_tier_sequences_keep_data_and_invariants(
         budget in prop::option::of((8u64..40).prop_map(|m| m * MIB)),
         aware in prop::bool::ANY,
+        asynchronous in prop::bool::weighted(0.8),
         ops in prop::collection::vec(op(), 1..120),
     ) {
-        run(budget, aware, ops)?;
+        run(budget, aware, asynchronous, ops)?;
     }
 }
