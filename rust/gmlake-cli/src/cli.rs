@@ -64,6 +64,10 @@ pub struct TierReplayArgs {
     #[arg(long, value_name = "SECONDS")]
     pub tick: Option<f64>,
 
+    /// Keep up to SIZE of pinned host buffers for reuse (default 0).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub host_cache: Option<u64>,
+
     /// Set an allocator option, as GMLAKE_CONF would (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_setting)]
     pub settings: Vec<Setting>,
@@ -105,6 +109,9 @@ impl TierReplayArgs {
         }
         if let Some(s) = self.tick {
             t.tick_seconds = s;
+        }
+        if let Some(c) = self.host_cache {
+            t.host_cache = c;
         }
         t
     }

@@ -49,6 +49,7 @@ fn line(name: &str, json: bool, r: &TierReplay, without: (u64, u64)) -> String {
             "waits": s.waits,
             "peak_tier_device_bytes": s.peak_device_bytes,
             "peak_host_bytes": s.peak_host_bytes,
+            "host_allocs": s.host_allocs,
             "peak_reserved": r.peak_reserved,
             "peak_reserved_without_tier": without.0,
             "creates_failed_without_tier": without.1,

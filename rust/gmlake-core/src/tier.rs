@@ -99,6 +99,10 @@ pub struct TierConfig {
     pub tick_seconds: f64,
     /// Prefetch this many ticks earlier than the copy time alone asks (default 1).
     pub prefetch_margin: u64,
+    /// Bytes of pinned host buffers kept for reuse once their tensor is back on the device
+    /// (`cuMemHostAlloc` is slow: a job evicting the same sizes every step allocates once).
+    /// A buffer is reused for a tensor of exactly its size. Default 0: none kept.
+    pub host_cache: u64,
 }
 
 impl Default for TierConfig {
@@ -109,6 +113,7 @@ impl Default for TierConfig {
             copy_latency: 10e-6,
             tick_seconds: 1e-3,
             prefetch_margin: 1,
+            host_cache: 0,
         }
     }
 }
@@ -267,9 +272,12 @@ pub struct TierStats {
     /// Device bytes held by the tier's tensors, now and at most.
     pub device_bytes: u64,
     pub peak_device_bytes: u64,
-    /// Pinned host bytes held, now and at most.
+    /// Pinned host bytes held by tensors, now and at most.
     pub host_bytes: u64,
     pub peak_host_bytes: u64,
+    /// Pinned host bytes kept for reuse (`TierConfig::host_cache`), and buffers allocated.
+    pub host_cached_bytes: u64,
+    pub host_allocs: u64,
 }
 
 /// A copy back still in flight into a resident or put tensor's block.
@@ -376,6 +384,8 @@ struct Inner {
     touch: u64,
     now: u64,
     events: Vec<EventHandle>,
+    /// Pinned buffers kept for reuse, by size.
+    host_cache: BTreeMap<u64, Vec<HostPtr>>,
     stats: TierStats,
 }
 
@@ -411,6 +421,7 @@ impl<D: Device> Tier<D> {
                 touch: 0,
                 now: 0,
                 events: Vec::new(),
+                host_cache: BTreeMap::new(),
                 stats: TierStats::default(),
             }),
         }
@@ -649,10 +660,7 @@ impl<D: Device> Tier<D> {
                     event,
                 });
             }
-            State::Evicted { host } => {
-                self.alloc.device().free_host(host)?;
-                g.add_host(-(e.bytes as i64));
-            }
+            State::Evicted { host } => self.give_host(&mut g, host, e.bytes)?,
         }
         self.reap(&mut g)
     }
@@ -707,6 +715,19 @@ impl<D: Device> Tier<D> {
     pub fn poll(&self) -> Result<()> {
         let mut g = self.inner.lock();
         self.reap(&mut g)
+    }
+
+    /// Frees the pinned buffers kept for reuse.
+    pub fn trim_host_cache(&self) -> Result<()> {
+        let mut g = self.inner.lock();
+        let dev = self.alloc.device();
+        for (_, v) in std::mem::take(&mut g.host_cache) {
+            for h in v {
+                dev.free_host(h)?;
+            }
+        }
+        g.stats.host_cached_bytes = 0;
+        Ok(())
     }
 
     /// Waits for the device, then completes every copy.
@@ -783,6 +804,21 @@ impl<D: Device> Tier<D> {
                 g.stats.device_bytes
             ));
         }
+        let mut cached = 0;
+        for (&size, v) in &g.host_cache {
+            for h in v {
+                cached += size;
+                if !hosts.insert(*h) {
+                    return Err(format!("cached host buffer {:#x} also in use", h.0));
+                }
+            }
+        }
+        if cached != g.stats.host_cached_bytes || cached > g.cfg.host_cache {
+            return Err(format!(
+                "host cache holds {cached} bytes, {} counted, {} allowed",
+                g.stats.host_cached_bytes, g.cfg.host_cache
+            ));
+        }
         if host != g.stats.host_bytes {
             return Err(format!(
                 "host bytes {} but a recount gives {host}",
@@ -857,7 +893,7 @@ impl<D: Device> Tier<D> {
                 e.state.public()
             )));
         };
-        let host = dev.alloc_host(bytes as usize)?;
+        let host = self.take_host(g, bytes)?;
         let event = match self.event(g) {
             Ok(ev) => ev,
             Err(err) => {
@@ -886,7 +922,6 @@ impl<D: Device> Tier<D> {
     /// Completes what finished: evictions (block back to the allocator), copies in (host
     /// buffer freed), zombies.
     fn reap(&self, g: &mut Inner) -> Result<()> {
-        let dev = self.alloc.device();
         let ids: Vec<TensorId> = g
             .entries
             .iter()
@@ -910,24 +945,21 @@ impl<D: Device> Tier<D> {
                 }
                 State::Fetching { ptr, host, .. } => {
                     e.state = State::Put { ptr, copy_in: None };
-                    dev.free_host(host)?;
-                    g.add_host(-bytes);
+                    self.give_host(g, host, bytes as u64)?;
                 }
                 State::Resident {
                     ptr,
                     copy_in: Some(c),
                 } => {
                     e.state = State::Resident { ptr, copy_in: None };
-                    dev.free_host(c.host)?;
-                    g.add_host(-bytes);
+                    self.give_host(g, c.host, bytes as u64)?;
                 }
                 State::Put {
                     ptr,
                     copy_in: Some(c),
                 } => {
                     e.state = State::Put { ptr, copy_in: None };
-                    dev.free_host(c.host)?;
-                    g.add_host(-bytes);
+                    self.give_host(g, c.host, bytes as u64)?;
                 }
                 _ => continue,
             }
@@ -945,12 +977,34 @@ impl<D: Device> Tier<D> {
                 g.add_device(-(z.bytes as i64));
             }
             if let Some(h) = z.host {
-                dev.free_host(h)?;
-                g.add_host(-(z.bytes as i64));
+                self.give_host(g, h, z.bytes)?;
             }
             g.events.push(z.event);
         }
         Ok(())
+    }
+
+    /// A pinned buffer of `bytes`: a cached one of that size, or a new one.
+    fn take_host(&self, g: &mut Inner, bytes: u64) -> Result<HostPtr> {
+        if let Some(h) = g.host_cache.get_mut(&bytes).and_then(Vec::pop) {
+            g.stats.host_cached_bytes -= bytes;
+            return Ok(h);
+        }
+        let h = self.alloc.device().alloc_host(bytes as usize)?;
+        g.stats.host_allocs += 1;
+        Ok(h)
+    }
+
+    /// A tensor's pinned buffer, every copy of which has completed, goes back: into the cache
+    /// while it has room, otherwise to the device.
+    fn give_host(&self, g: &mut Inner, host: HostPtr, bytes: u64) -> Result<()> {
+        g.add_host(-(bytes as i64));
+        if g.stats.host_cached_bytes + bytes <= g.cfg.host_cache {
+            g.host_cache.entry(bytes).or_default().push(host);
+            g.stats.host_cached_bytes += bytes;
+            return Ok(());
+        }
+        Ok(self.alloc.device().free_host(host)?)
     }
 
     /// Device memory of `bytes` on `stream` for the tier, evicting put tensors under the
@@ -1138,6 +1192,11 @@ impl<D: Device> Drop for Tier<D> {
                 let _ = dev.free_host(h);
             }
             g.events.push(z.event);
+        }
+        for (_, v) in std::mem::take(&mut g.host_cache) {
+            for h in v {
+                let _ = dev.free_host(h);
+            }
         }
         for ev in g.events.drain(..) {
             let _ = dev.destroy_event(ev);

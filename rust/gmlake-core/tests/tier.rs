@@ -576,3 +576,46 @@ fn dropping_the_tier_gives_everything_back() {
     alloc.empty_cache().unwrap();
     assert_eq!(d.live_events(), 0, "pooled events destroyed");
 }
+
+#[test]
+fn host_cache_reuses_pinned_buffers_of_the_same_size() {
+    let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+    let t = Tier::new(
+        Arc::new(alloc),
+        TierConfig {
+            host_cache: 8 * MIB,
+            ..TierConfig::default()
+        },
+        Box::new(Lru),
+    );
+    let d = t.allocator().device().clone();
+    let (a, pa) = t.create(4 * MIB, 0).unwrap();
+    d.fill(pa, 4 * MIB, 77, 0).unwrap();
+    for round in 0..3 {
+        t.put(a, None).unwrap();
+        t.offload(a).unwrap();
+        t.poll().unwrap();
+        let f = t.get(a, 0).unwrap();
+        t.poll().unwrap();
+        assert_eq!(
+            d.checksum(f.ptr, 4 * MIB).unwrap(),
+            SimDevice::fill_checksum(4 * MIB, 77),
+            "round {round}"
+        );
+        t.verify().unwrap();
+    }
+    let s = t.stats();
+    assert_eq!((s.evictions, s.host_allocs), (3, 1));
+    assert_eq!(s.host_cached_bytes, 4 * MIB);
+    assert_eq!(d.host_buffers(), (1, 4 * MIB));
+    // Another size does not fit the cached buffer.
+    let (b, _) = t.create(MIB, 0).unwrap();
+    t.put(b, None).unwrap();
+    t.offload(b).unwrap();
+    assert_eq!(t.stats().host_allocs, 2);
+    t.free(b).unwrap();
+    t.free(a).unwrap();
+    t.trim_host_cache().unwrap();
+    assert_eq!(d.host_buffers(), (0, 0));
+    t.verify().unwrap();
+}

@@ -62,6 +62,7 @@ fn run(
     budget: Option<u64>,
     aware: bool,
     asynchronous: bool,
+    host_cache: u64,
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
     let dev = SimDevice::new(48 * MIB);
@@ -80,6 +81,7 @@ fn run(
         alloc.clone(),
         TierConfig {
             device_budget: budget,
+            host_cache,
             ..TierConfig::default()
         },
         policy,
@@ -214,6 +216,8 @@ fn run(
         t.verify().map_err(TestCaseError::fail)?;
     }
     t.flush().unwrap();
+    prop_assert!(t.stats().host_cached_bytes <= host_cache);
+    t.trim_host_cache().unwrap();
     let s = t.stats();
     if std::env::var("TIER_PROP_STATS").is_ok() {
         eprintln!("{s:?}");
@@ -244,8 +248,9 @@ proptest! {
         budget in prop::option::of((8u64..40).prop_map(|m| m * MIB)),
         aware in prop::bool::ANY,
         asynchronous in prop::bool::weighted(0.8),
+        host_cache in prop_oneof![Just(0u64), Just(16 * MIB)],
         ops in prop::collection::vec(op(), 1..120),
     ) {
-        run(budget, aware, asynchronous, ops)?;
+        run(budget, aware, asynchronous, host_cache, ops)?;
     }
 }
