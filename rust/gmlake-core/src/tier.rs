@@ -5,7 +5,8 @@
 //!   handle ([`TensorId`]) and the pointer. The tensor is *resident*: in use by the client.
 //! - [`Tier::get`]: the tensor must be on the GPU. If it was evicted, device memory is allocated
 //!   again (possibly other pages: stitching makes the placement free) and the contents copied
-//!   back, stream-ordered; the pointer comes back with the stream the copy was queued on.
+//!   back, stream-ordered on the asked stream; the pointer comes back with the event of a copy
+//!   still in flight and its stream ([`Fetched`]).
 //! - [`Tier::put`]: not needed now, maybe later, with an optional *next use* (a logical time,
 //!   e.g. a step index, in the units of [`Tier::advance`]). Only put tensors are evicted.
 //! - [`Tier::free`]: the tensor is gone.
@@ -19,19 +20,20 @@
 //! # States and invariants (checked by [`Tier::verify`])
 //!
 //! ```text
-//!  create ──> Resident <──get── Put ──evict──> Evicting ──(copy-out event)──> Evicted
-//!               ^   │            ^                │ get: rescued (data still on device)    │
-//!               │   └────put─────┘                v                                        │
-//!               │                           Resident                                       │
-//!               └────────get──────── Fetching <──────────advance (prefetch) / get──────────┘
-//!                                      │ (copy-in event, no get yet)
-//!                                      └──────> Put
-//!  free: from any state.
+//! create ─> Resident ─put─> Put ─evict / offload─> Evicting ─copy out done─> Evicted
+//!             ^  ^           │                        │                         │
+//!             │  └────get────┘                        │ get (rescue: the block  │ get (miss) or
+//!             │  └───────────────get──────────────────┘  is still intact)       │ advance (prefetch)
+//!             │                                                                 v
+//!             └──────────────────────get──────────────────────────────────── Fetching
+//!                                                      Put <─copy in done (no get yet)─┘
+//! free: from any state (memory a copy still uses waits for its event).
 //! ```
 //!
 //! 1. A tensor's bytes live in exactly one place the client can observe: its device block
 //!    (Resident, Put, Fetching, Evicting — the block is intact until the eviction completes)
-//!    or its host buffer (Evicted).
+//!    or its host buffer (Evicted). A get of an evicted tensor gets a new block (`verify`
+//!    checks every block held is a live allocation of the allocator, held once).
 //! 2. Every copy is queued on the tensor's stream (the stream of its last create, get or
 //!    put): the copy out is ordered after the kernels that used the tensor there, the copy in
 //!    before the kernels the client queues after `get`. Clients using a tensor on several
