@@ -62,6 +62,9 @@ pub struct Config {
     /// with no driver call; beyond the bound the oldest are unmapped. 0 unmaps every old
     /// mapping once its stream is done with it.
     pub max_aliases: f64,
+    /// `debug`, `debug_quarantine`, `debug_guard_min`, `debug_canary_bytes`: the memory
+    /// debugging mode (off by default; see [`crate::debug`]).
+    pub debug: crate::debug::DebugConfig,
 }
 
 impl Default for Config {
@@ -78,6 +81,7 @@ impl Default for Config {
             memory_fraction: None,
             limit_bytes: None,
             max_aliases: 4.0,
+            debug: crate::debug::DebugConfig::default(),
         }
     }
 }
@@ -95,6 +99,10 @@ pub const CONFIG_KEYS: &[&str] = &[
     "memory_fraction",
     "limit",
     "max_aliases",
+    "debug",
+    "debug_quarantine",
+    "debug_guard_min",
+    "debug_canary_bytes",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -164,6 +172,10 @@ fn parse_bool(key: &str, value: &str) -> Result<bool> {
 impl Config {
     /// Sets one key (GMLake's names, or this project's snake_case names; case-insensitive).
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        // The memory debugging mode's keys (`debug*`), in their own module.
+        if self.debug.set(key, value)? {
+            return Ok(());
+        }
         let v = value.trim();
         let size = |k: &str| parse_size(v).map_err(|r| invalid(k, value, r));
         match key.trim().to_ascii_lowercase().as_str() {
@@ -321,6 +333,9 @@ impl Config {
             ),
             ("limit", opt(self.limit_bytes)),
         ]
+        .into_iter()
+        .chain(self.debug.to_pairs())
+        .collect()
     }
 }
 

@@ -12,6 +12,7 @@
 pub mod allocator;
 mod arena;
 pub mod config;
+pub mod debug;
 pub mod device;
 pub mod error;
 pub mod ipc;
@@ -21,6 +22,7 @@ pub mod stats;
 
 pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
 pub use config::{parse_size, Config, StitchStrategy};
+pub use debug::DebugConfig;
 pub use device::{Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId};
 pub use error::{Error, OomInfo, Result};
 pub use ipc::{IpcHandle, SharedPages};
