@@ -22,10 +22,10 @@ fn round(n: u64) -> u64 {
 /// before its first page unmapped.
 fn check_guarded(dev: &SimDevice, ptr: u64, size: u64, front: bool) -> Result<(), String> {
     let end = ptr + round(size);
-    if ptr % 512 != 0 {
+    if !ptr.is_multiple_of(512) {
         return Err(format!("{ptr:#x} is not 512-byte aligned"));
     }
-    if end % PAGE != 0 {
+    if !end.is_multiple_of(PAGE) {
         return Err(format!(
             "block {ptr:#x}+{size} does not end on a page boundary"
         ));

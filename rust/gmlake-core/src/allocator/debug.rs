@@ -612,7 +612,7 @@ impl State {
         for (&ptr, g) in &d.guarded {
             pages += g.pages.len() as u64;
             let mapped_end = g.map_start + g.pages.len() as u64 * self.page;
-            if ptr + g.size != mapped_end || ptr % BLOCK_ROUND != 0 {
+            if ptr + g.size != mapped_end || !ptr.is_multiple_of(BLOCK_ROUND) {
                 return Err(format!(
                     "guarded block {ptr:#x} does not end at its mapped end"
                 ));
