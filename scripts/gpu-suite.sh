@@ -96,7 +96,8 @@ fi
 echo "== tests/gpu"
 files=(tests/gpu/test_install.py tests/gpu/test_memory.py tests/gpu/test_graphs.py
        tests/gpu/test_history.py tests/gpu/test_ipc.py tests/gpu/test_multi_gpu.py
-       tests/gpu/test_faults.py tests/gpu/test_training.py tests/gpu/test_sanitizer.py)
+       tests/gpu/test_faults.py tests/gpu/test_training.py tests/gpu/test_sanitizer.py
+       tests/gpu/test_debug.py)
 # GMLAKE_SUITE_FILES="tests/gpu/a.py tests/gpu/b.py" runs only those.
 if [ -n "${GMLAKE_SUITE_FILES:-}" ]; then read -r -a files <<<"$GMLAKE_SUITE_FILES"; fi
 "$PY" -m pytest -v -rA --tb=short -p no:cacheprovider --junitxml="$LOG/junit.xml" \
