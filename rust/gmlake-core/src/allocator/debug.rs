@@ -368,6 +368,10 @@ impl State {
         let Some(b) = self.live.get_mut(&ptr) else {
             return false;
         };
+        // Graph pools are not held: CUDA graph trees re-create their freed blocks in place.
+        if self.arenas[b.arena as usize].key.graph_pool != GraphPoolId::DEFAULT {
+            return false;
+        }
         b.pending = true;
         d.held_bytes += b.size;
         d.held.push_back(Held::Block { ptr, bytes: b.size });
