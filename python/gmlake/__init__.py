@@ -210,10 +210,22 @@ def _debug_modes() -> List[str]:
 def _debug_setup() -> None:
     """Debug mode with canaries: record the Python stack of each allocation (through torch's
     memory history, actions skipped so that it keeps only gmlake's reports), so that a report
-    names the allocation's frames. ``GMLAKE_DEBUG_STACKS=0`` turns it off."""
+    names the allocation's frames. Deferred to CUDA's initialization (recording history
+    initializes CUDA). ``GMLAKE_DEBUG_STACKS=0`` turns it off."""
     try:
         if "canary" not in _debug_modes() or os.environ.get("GMLAKE_DEBUG_STACKS", "1") == "0":
             return
+        import torch.cuda
+
+        torch.cuda._lazy_call(_debug_record_stacks)
+    except Exception as e:  # the reports lose their frames, nothing else
+        import warnings
+
+        warnings.warn(f"gmlake: debug mode cannot record allocation stacks: {e}")
+
+
+def _debug_record_stacks() -> None:
+    try:
         import torch
 
         rec = torch.cuda.memory._record_memory_history
@@ -225,7 +237,7 @@ def _debug_setup() -> None:
                 max_entries=10000,
                 skip_actions=_DEBUG_SKIP,
             )
-        except TypeError:  # torch without skip_actions: the whole history is kept
+        except Exception:  # torch without skip_actions (or other names): the whole history
             rec(enabled="all", context="alloc", stacks="python", max_entries=100000)
     except Exception as e:  # the reports lose their frames, nothing else
         import warnings
