@@ -398,8 +398,12 @@ impl State {
     /// Unmaps freed guarded ranges whose events completed, and lets the oldest held blocks
     /// go while the quarantine is over its bounds.
     fn debug_tick<D: Device>(&mut self, dev: &D, d: &mut DebugState) -> Result<()> {
-        if d.waiting > 0 {
-            for i in 0..d.held.len() {
+        // Newest first: older ranges are mostly unmapped already, so the scan stops early.
+        let mut left = d.waiting;
+        let mut i = d.held.len();
+        while left > 0 && i > 0 {
+            i -= 1;
+            {
                 let Held::Range {
                     g,
                     events,
@@ -409,6 +413,7 @@ impl State {
                 else {
                     continue;
                 };
+                left -= 1;
                 if *deferred {
                     if self.captures > 0 {
                         continue;
