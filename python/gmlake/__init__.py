@@ -148,7 +148,9 @@ def conf_string(conf: Optional[str] = None, **config: Any) -> str:
         if v is None:
             continue
         s = _format_value(v)
-        if "," in s or ":" in k or "," in k:
+        # A list value in PyTorch's syntax ([64:8,256:4,>:1]) keeps its commas in brackets.
+        listed = s.startswith("[") and s.endswith("]") and s.count("[") == 1 and s.count("]") == 1
+        if ("," in s and not listed) or ":" in k or "," in k:
             raise ValueError(f"gmlake: invalid configuration item {k}={s!r}")
         parts.append(f"{k}:{s}")
     return ",".join(p for p in parts if p)

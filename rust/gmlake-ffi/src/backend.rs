@@ -52,6 +52,15 @@ impl PeerAccess for gmlake_cuda::CudaDevice {
 pub trait Core: Send + Sync {
     fn allocate(&self, size: u64, stream: StreamId) -> Result<DevicePtr>;
     fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr>;
+    fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<DevicePtr>;
+    fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()>;
+    fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>>;
     fn allocate_at(
         &self,
         ptr: DevicePtr,
@@ -101,6 +110,21 @@ impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
     }
     fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr> {
         Allocator::allocate_in(self, size, stream, pool)
+    }
+    fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<DevicePtr> {
+        Allocator::allocate_rounded(self, size, rounded, stream, pool)
+    }
+    fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()> {
+        Allocator::clear_stream_uses(self, ptr)
+    }
+    fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>> {
+        Allocator::stream_uses(self, ptr)
     }
     fn allocate_at(
         &self,

@@ -230,6 +230,24 @@ pub mod ffi {
             pool_first: u64,
             pool_second: u64,
         ) -> AllocOutcome;
+        /// Places `rounded` bytes for a request of `size` (the caller's rounding: PyTorch's
+        /// `roundup_power2_divisions`, or whole pages), in pool (pool_first, pool_second)
+        /// when `in_pool`, else in the default pool.
+        fn allocate_rounded(
+            self: &Gmlake,
+            size: u64,
+            rounded: u64,
+            stream: u64,
+            pool_first: u64,
+            pool_second: u64,
+            in_pool: bool,
+        ) -> AllocOutcome;
+        /// Forgets the streams a live allocation was recorded on (a CUDA graph capture
+        /// proved them ordered before later work of its stream); status as free_ptr's.
+        fn clear_stream_uses(self: &Gmlake, ptr: u64) -> FreeOutcome;
+        /// The streams a live allocation was recorded on besides its own (empty when none,
+        /// or when `ptr` is not a live allocation).
+        fn stream_uses(self: &Gmlake, ptr: u64) -> Vec<u64>;
         /// Makes [ptr, ptr + size) a live allocation of pool (pool_first, pool_second) again
         /// (a CUDA graph tree checkpoint restore); the range must be free and mapped there.
         fn allocate_at(
@@ -652,6 +670,36 @@ impl Gmlake {
         self.alloc_common(size, |c| {
             c.allocate_in(size, stream, GraphPoolId(pool_first, pool_second))
         })
+    }
+
+    fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: u64,
+        pool_first: u64,
+        pool_second: u64,
+        in_pool: bool,
+    ) -> AllocOutcome {
+        let pool = if in_pool {
+            GraphPoolId(pool_first, pool_second)
+        } else {
+            GraphPoolId::DEFAULT
+        };
+        self.alloc_common(size, |c| c.allocate_rounded(size, rounded, stream, pool))
+    }
+
+    fn stream_uses(&self, ptr: u64) -> Vec<u64> {
+        guard("stream_uses", || {
+            Ok(self.core.stream_uses(ptr).unwrap_or_default())
+        })
+        .unwrap_or_default()
+    }
+
+    fn clear_stream_uses(&self, ptr: u64) -> FreeOutcome {
+        free_outcome(guard("clear_stream_uses", || {
+            Ok(self.core.clear_stream_uses(ptr))
+        }))
     }
 
     fn allocate_at(

@@ -155,6 +155,29 @@ fn memory_fraction_round_trip() {
     a.set_memory_fraction(0.5).unwrap();
     assert_eq!(a.memory_fraction().unwrap(), 0.5);
     assert!(a.set_memory_fraction(1.5).is_err());
+    a.set_memory_fraction(0.0).unwrap();
+    assert_eq!(a.memory_fraction().unwrap(), 0.0);
+}
+
+#[test]
+fn allocate_rounded_places_the_rounded_size() {
+    let a = sim(GIB, "");
+    let r = a.allocate_rounded(1000, 4096, 7, 0, 0, false);
+    assert_eq!(r.status, 0, "{}", r.message);
+    let rec = a.allocation(r.ptr).unwrap();
+    assert_eq!((rec.size, rec.requested), (4096, 1000));
+    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    a.begin_capture(5, 0).unwrap();
+    let r = a.allocate_rounded(1000, 2 << 20, 7, 5, 0, true);
+    assert_eq!(r.status, 0, "{}", r.message);
+    let rec = a.allocation(r.ptr).unwrap();
+    assert_eq!((rec.size, rec.pool_first), (2 << 20, 5));
+    a.record_stream(r.ptr, 9);
+    assert_eq!(a.stream_uses(r.ptr), vec![9]);
+    assert_eq!(a.clear_stream_uses(r.ptr).status, 0);
+    assert!(a.stream_uses(r.ptr).is_empty());
+    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    a.end_capture(5, 0).unwrap();
 }
 
 #[test]

@@ -149,9 +149,9 @@ impl State {
                 return st.place_guarded(dev, d, requested, size, stream);
             }
             if d.cfg.canary {
-                return Ok(DebugAlloc::Size(round_request(
-                    requested.saturating_add(d.cfg.canary_bytes),
-                )?));
+                // At least the canary bytes after the request, over any rounding of its own.
+                let padded = round_request(requested.saturating_add(d.cfg.canary_bytes))?;
+                return Ok(DebugAlloc::Size(size.max(padded)));
             }
             Ok(DebugAlloc::Size(size))
         })

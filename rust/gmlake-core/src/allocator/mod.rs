@@ -159,6 +159,42 @@ mod streams;
 
 use streams::{Fence, PendingFree, RetiredBatch};
 
+/// Free mapped blocks (count, bytes) of an arena that lie in runs of mapped blocks with no
+/// active block.
+fn whole_free_runs(a: &Arena) -> (u64, u64) {
+    let (mut total_c, mut total_b) = (0u64, 0u64);
+    let (mut run_c, mut run_b, mut run_live, mut end) = (0u64, 0u64, false, u64::MAX);
+    let mut close = |c: u64, b: u64, live: bool| {
+        if !live {
+            total_c += c;
+            total_b += b;
+        }
+    };
+    for (addr, b) in a.blocks() {
+        let (free, live) = match b.state {
+            ArenaState::Live => (false, true),
+            ArenaState::FreeMapped { .. } | ArenaState::Quick { .. } => (true, false),
+            _ => {
+                close(run_c, run_b, run_live);
+                (run_c, run_b, run_live, end) = (0, 0, false, u64::MAX);
+                continue;
+            }
+        };
+        if addr != end {
+            close(run_c, run_b, run_live);
+            (run_c, run_b, run_live) = (0, 0, false);
+        }
+        if free {
+            run_c += 1;
+            run_b += b.size;
+        }
+        run_live |= live;
+        end = addr + b.size;
+    }
+    close(run_c, run_b, run_live);
+    (total_c, total_b)
+}
+
 fn round_request(size: u64) -> Result<u64> {
     if size > MAX_REQUEST {
         return Err(Error::SizeOverflow(size));
@@ -251,14 +287,61 @@ impl<D: Device> Allocator<D> {
         if size == 0 {
             return Ok(0);
         }
-        let rounded = round_request(size)?;
+        round_request(size)?;
         let mut st = self.state.lock();
+        let rounded = st.cfg.round_size(size);
         match st.allocate(&self.device, size, rounded, stream, pool) {
             // Debug mode: the quarantine and spare guard pages go back before giving up.
             Err(Error::OutOfMemory(_)) if st.debug_flush(&self.device, true)? => {
                 st.allocate(&self.device, size, rounded, stream, pool)
             }
             r => r,
+        }
+    }
+
+    /// As [`Allocator::allocate_in`], placing `rounded` bytes (at least `size`, rounded up to
+    /// 512 bytes here) for a request of `size`: the caller applies its own rounding
+    /// (PyTorch's `roundup_power2_divisions`, or whole pages for a pool that must not share
+    /// pages between allocations). Statistics count `size` as requested, `rounded` as
+    /// allocated.
+    pub fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let rounded = round_request(rounded.max(size))?;
+        self.state
+            .lock()
+            .allocate(&self.device, size, rounded, stream, pool)
+    }
+
+    /// The streams a live allocation was recorded on (`record_stream`), besides its own;
+    /// None for a pointer that is not a live allocation.
+    pub fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>> {
+        let st = self.state.lock();
+        st.live
+            .get(&ptr)
+            .filter(|b| !b.pending)
+            .map(|b| b.extra.clone())
+    }
+
+    /// Forgets the streams a live allocation was recorded on (`record_stream`): a CUDA graph
+    /// capture proved, from the graph's dependencies, that every use on those streams is
+    /// ordered before any later work of the allocation's stream, so a free needs no event.
+    pub fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()> {
+        let mut st = self.state.lock();
+        match st.live.get_mut(&ptr) {
+            Some(b) if !b.pending => {
+                b.extra.clear();
+                Ok(())
+            }
+            Some(_) => Err(Error::DoubleFree(ptr)),
+            None => Err(Error::UnknownPointer(ptr)),
         }
     }
 
@@ -330,16 +413,18 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Caps reserved memory at `fraction` of the device (PyTorch's setMemoryFraction).
+    /// 0 allows nothing to be reserved; 1 removes the cap (`memory_fraction()` is None again).
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::InvalidConfig {
                 key: "memory_fraction".into(),
                 value: fraction.to_string(),
-                reason: "expected a fraction in (0, 1]".into(),
+                reason: "expected a fraction in [0, 1]".into(),
             });
         }
         let mut st = self.state.lock();
-        st.cfg.memory_fraction = Some(fraction);
+        // As PyTorch: 1 removes the cap.
+        st.cfg.memory_fraction = (fraction < 1.0).then_some(fraction);
         st.update_limit();
         Ok(())
     }
@@ -387,9 +472,22 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Statistics, with the derived fields (cached and retired bytes) filled in.
+    ///
+    /// `inactive_split` (current) counts, as PyTorch's, only free blocks that share their
+    /// segment (here: the run of mapped blocks) with an active block: a run that is free from
+    /// end to end is cached memory, not a split one. The running counters (peak, allocated,
+    /// freed) count every free mapped block.
     pub fn stats(&self) -> DeviceStats {
         let st = self.state.lock();
         let mut s = st.stats.clone();
+        for a in &st.arenas {
+            let (count, bytes) = whole_free_runs(a);
+            let kind = a.key.kind;
+            s.inactive_split.0[0].current -= count as i64;
+            s.inactive_split.0[kind as usize].current -= count as i64;
+            s.inactive_split_bytes.0[0].current -= bytes as i64;
+            s.inactive_split_bytes.0[kind as usize].current -= bytes as i64;
+        }
         s.cached_bytes = st.arenas.iter().map(|a| a.free_mapped_bytes).sum();
         s.retired_bytes = st
             .retired
