@@ -16,7 +16,8 @@
 #          carried staticlib (in the background; a check of the CMake route: its result is
 #          reported, the suite tests the carried library) unless GMLAKE_SKIP_DEVICE_BUILD=1;
 #       3. runs tests/gpu in order: install, memory, graphs, history, ipc, multi_gpu, faults, parity
-#          (each behaviour under native and gmlake, same outcome), training, sanitizer;
+#          (each behaviour under native and gmlake, same outcome), training, sanitizer, debug
+#          (the memory debugging mode: guard faults, canary reports, poison, quarantine);
 #       4. prints a summary: tests passed/failed, and the training table (utilization and
 #          median step time under native, expandable segments and gmlake).
 #
