@@ -68,6 +68,9 @@ pub struct Config {
     /// entry per interval, [1 MiB, 2 MiB) first and [32 GiB, ...) last (sizes below 1 MiB use
     /// the first); 0 or 1: no rounding beyond 512 bytes.
     pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// `debug`, `debug_quarantine`, `debug_guard_min`, `debug_canary_bytes`: the memory
+    /// debugging mode (off by default; see [`crate::debug`]).
+    pub debug: crate::debug::DebugConfig,
 }
 
 /// Intervals of `roundup_power2_divisions`, as PyTorch's (1 MiB to 64 GiB).
@@ -88,6 +91,7 @@ impl Default for Config {
             limit_bytes: None,
             max_aliases: 4.0,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            debug: crate::debug::DebugConfig::default(),
         }
     }
 }
@@ -106,6 +110,10 @@ pub const CONFIG_KEYS: &[&str] = &[
     "limit",
     "max_aliases",
     "roundup_power2_divisions",
+    "debug",
+    "debug_quarantine",
+    "debug_guard_min",
+    "debug_canary_bytes",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -292,6 +300,10 @@ impl Config {
 
     /// Sets one key (GMLake's names, or this project's snake_case names; case-insensitive).
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        // The memory debugging mode's keys (`debug*`), in their own module.
+        if self.debug.set(key, value)? {
+            return Ok(());
+        }
         let v = value.trim();
         let size = |k: &str| parse_size(v).map_err(|r| invalid(k, value, r));
         match key.trim().to_ascii_lowercase().as_str() {
@@ -460,6 +472,9 @@ impl Config {
                 roundup_text(&self.roundup_power2_divisions),
             ),
         ]
+        .into_iter()
+        .chain(self.debug.to_pairs())
+        .collect()
     }
 }
 

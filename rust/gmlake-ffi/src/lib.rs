@@ -281,6 +281,12 @@ pub mod ffi {
         fn take_history(self: &Gmlake) -> Result<Vec<TraceRecord>>;
         fn page_size(self: &Gmlake) -> Result<u64>;
         fn config(self: &Gmlake) -> Result<Vec<KeyValue>>;
+        /// The memory debugging mode: bit 0 guard pages, 1 canaries, 2 poison, 3 quarantine,
+        /// 4 front guard pages; 0 when off.
+        fn debug_mode(self: &Gmlake) -> Result<u32>;
+        /// Debug mode: a damaged canary was found (counted in the stats, logged through
+        /// `tracing` with `report`).
+        fn debug_canary_error(self: &Gmlake, report: &str) -> Result<()>;
         /// Whether requests of `size` bytes may be stitched under the configuration.
         fn may_stitch(self: &Gmlake, size: u64) -> Result<bool>;
         fn memory_info(self: &Gmlake) -> Result<MemInfo>;
@@ -858,6 +864,18 @@ impl Gmlake {
 
     fn config(&self) -> Result<Vec<KeyValue>, String> {
         guard("config", || Ok(pairs(&self.core.config())))
+    }
+
+    fn debug_mode(&self) -> Result<u32, String> {
+        guard("debug_mode", || Ok(self.core.config().debug.mode_bits()))
+    }
+
+    fn debug_canary_error(&self, report: &str) -> Result<(), String> {
+        guard("debug_canary_error", || {
+            self.core.debug_note_canary_error();
+            tracing::error!(device = self.ordinal, "gmlake debug: {report}");
+            Ok(())
+        })
     }
 
     fn may_stitch(&self, size: u64) -> Result<bool, String> {

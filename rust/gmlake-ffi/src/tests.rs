@@ -253,3 +253,50 @@ fn stats_json_says_whether_the_allocator_exists() {
     let live = sim(GIB, "").stats_json().unwrap();
     assert!(live.contains("\"gmlake.initialized\":1"), "{live}");
 }
+
+#[test]
+fn debug_mode_through_the_bridge() {
+    let off = sim(GIB, "");
+    assert_eq!(off.debug_mode().unwrap(), 0);
+    assert!(!off
+        .config()
+        .unwrap()
+        .iter()
+        .any(|kv| kv.key.starts_with("debug")));
+    let e = check_conf("debug:guard+sparkles").unwrap_err();
+    assert!(e.contains("debug") && e.contains("sparkles"), "{e}");
+    let g = sim(GIB, "debug:guard+canary+poison");
+    assert_eq!(g.debug_mode().unwrap(), 0b111);
+    let big = g.allocate(4 * MIB + 100, 0);
+    assert_eq!(big.status, 0, "{}", big.message);
+    let a = g.allocation(big.ptr + 10).unwrap();
+    assert!(a.found && a.ptr == big.ptr && a.requested == 4 * MIB + 100);
+    assert_eq!(
+        (big.ptr + a.size) % (2 * MIB),
+        0,
+        "a guarded block ends at its mapped end"
+    );
+    let small = g.allocate(1000, 0);
+    let a = g.allocation(small.ptr).unwrap();
+    assert_eq!((a.size, a.requested), (1536, 1000), "padded for the canary");
+    g.debug_canary_error("test report").unwrap();
+    let json = g.stats_json().unwrap();
+    for k in [
+        "\"gmlake.debug_guarded\":1",
+        "\"gmlake.debug_guard_bytes\":2097152",
+        "\"gmlake.debug_canary_errors\":1",
+    ] {
+        assert!(json.contains(k), "{k} not in {json}");
+    }
+    assert_eq!(g.free_ptr(big.ptr).status, 0);
+    assert_eq!(g.free_ptr(small.ptr).status, 0);
+    let q = sim(GIB, "debug:all");
+    assert_eq!(q.debug_mode().unwrap(), 0b1111);
+    let kv = q.config().unwrap();
+    let get = |k: &str| kv.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
+    assert_eq!(
+        get("debug").as_deref(),
+        Some("guard+canary+poison+quarantine")
+    );
+    assert_eq!(get("debug_quarantine").as_deref(), Some("256"));
+}
