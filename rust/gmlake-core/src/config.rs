@@ -62,6 +62,12 @@ pub struct Config {
     /// with no driver call; beyond the bound the oldest are unmapped. 0 unmaps every old
     /// mapping once its stream is done with it.
     pub max_aliases: f64,
+    /// `util_target`: when a miss needs pages, create new memory before stitching as long as
+    /// the pages held stay within (active bytes + the request) / util_target; stitch beyond
+    /// that. Trades a bounded share of utilization for fewer driver calls where lifetimes
+    /// are random (a stitch maps every page it moves, on every miss). None (`off`, the
+    /// default): stitch first, as `defragLevel` says.
+    pub util_target: Option<f64>,
 }
 
 impl Default for Config {
@@ -78,6 +84,7 @@ impl Default for Config {
             memory_fraction: None,
             limit_bytes: None,
             max_aliases: 4.0,
+            util_target: None,
         }
     }
 }
@@ -95,6 +102,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "memory_fraction",
     "limit",
     "max_aliases",
+    "util_target",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -226,6 +234,19 @@ impl Config {
                 }
                 self.max_aliases = f;
             }
+            "util_target" | "utiltarget" => {
+                let why = "expected a fraction in (0, 1] or off";
+                self.util_target = match v.to_ascii_lowercase().as_str() {
+                    "off" | "none" => None,
+                    _ => {
+                        let f: f64 = v.parse().map_err(|_| invalid(key, value, why))?;
+                        if !(f > 0.0 && f <= 1.0) {
+                            return Err(invalid(key, value, why));
+                        }
+                        Some(f)
+                    }
+                };
+            }
             "small_size" | "smallsize" => {
                 let s = size(key)?;
                 if s == 0 || s > 1 << 30 {
@@ -315,6 +336,11 @@ impl Config {
             ("small_size", self.small_size.to_string()),
             ("max_aliases", self.max_aliases.to_string()),
             (
+                "util_target",
+                self.util_target
+                    .map_or("off".to_string(), |f| f.to_string()),
+            ),
+            (
                 "memory_fraction",
                 self.memory_fraction
                     .map_or("none".to_string(), |f| f.to_string()),
@@ -380,5 +406,16 @@ mod tests {
             .contains("nonsense"));
         assert!(c.set("memory_fraction", "1.5").is_err());
         assert!(c.set("page_size", "3MiB").is_err());
+        for bad in ["0", "1.5", "-0.5", "nan", "high"] {
+            let e = c.set("util_target", bad).unwrap_err();
+            assert!(
+                e.to_string().contains("util_target") && e.to_string().contains(bad),
+                "{e}"
+            );
+        }
+        c.set("util_target", "0.95").unwrap();
+        assert_eq!(c.util_target, Some(0.95));
+        c.set("util_target", "off").unwrap();
+        assert_eq!(c.util_target, None);
     }
 }

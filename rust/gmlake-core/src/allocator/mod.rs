@@ -132,6 +132,9 @@ struct State {
     stats: DeviceStats,
     history_cap: usize,
     history: VecDeque<TraceEvent>,
+    /// Lent pages one miss may examine for a reusable window (`pages::MAX_REUSE_CHECKS`;
+    /// tests lower it to exercise the resumed scan).
+    reuse_checks: u64,
 }
 
 /// The allocator for one device. `Send + Sync`; every operation takes one lock briefly.
@@ -212,6 +215,7 @@ impl<D: Device> Allocator<D> {
             },
             history_cap: 0,
             history: VecDeque::new(),
+            reuse_checks: pages::MAX_REUSE_CHECKS,
         };
         state.update_limit();
         tracing::debug!(page, total, "gmlake allocator created");
@@ -515,6 +519,14 @@ impl<D: Device> Allocator<D> {
         Ok(())
     }
 
+    /// Sets how many lent pages one miss may examine when it looks for a kept range to
+    /// reuse (default 4,096). For tests, which lower it so that scans are cut short and
+    /// resume where they stopped.
+    #[doc(hidden)]
+    pub fn set_reuse_scan_limit(&self, pages: u64) {
+        self.state.lock().reuse_checks = pages;
+    }
+
     /// Keeps up to `capacity` history events (0 turns history off and drops it).
     pub fn set_history(&self, capacity: usize) {
         let mut st = self.state.lock();
@@ -766,7 +778,9 @@ impl State {
                     None => size.div_ceil(self.page),
                 };
                 let max_busy = (fresh / 2).min((size.div_ceil(self.page) / 4).max(1));
-                if let Some(r) = self.find_reuse(aid, size, max_busy) {
+                let (found, cursor) = self.find_reuse(aid, size, max_busy);
+                self.arenas[aid as usize].reuse_cursor = cursor;
+                if let Some(r) = found {
                     if self.apply_reuse(dev, aid, &r, size)? {
                         let now = self.now;
                         self.with_arena(aid, |a| a.carve(r.start, size, now));
