@@ -790,6 +790,11 @@ impl Arena {
         self.lent.get(&va).copied()
     }
 
+    /// The aliases in [lo, hi), in address order: (va, handle).
+    pub fn lent_in(&self, lo: u64, hi: u64) -> impl Iterator<Item = (u64, PhysHandle)> + '_ {
+        self.lent.range(lo..hi).map(|(&v, &h)| (v, h))
+    }
+
     /// Every (va, handle) alias whose handle satisfies `pred`.
     pub fn lent_matching(&self, pred: impl Fn(PhysHandle) -> bool) -> Vec<(u64, PhysHandle)> {
         self.lent

@@ -410,10 +410,12 @@ impl State {
                     continue;
                 }
                 checked += b.size / page;
-                for va in (addr..addr + b.size).step_by(page as usize) {
-                    let kind = match arena.lent_at(va) {
-                        Some(h) if self.reusable(h, aid, stream, (0, 0)) => 1,
-                        _ => 2,
+                // Every page of a lent block is an alias (I3).
+                for (va, h) in arena.lent_in(addr, addr + b.size) {
+                    let kind = if self.reusable(h, aid, stream, (0, 0)) {
+                        1
+                    } else {
+                        2
                     };
                     units.push((va, page, kind));
                 }
