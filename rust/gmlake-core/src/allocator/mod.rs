@@ -134,6 +134,9 @@ struct State {
     history: VecDeque<TraceEvent>,
     /// The memory debugging mode; `None` when off (see `debug.rs`).
     debug: Option<Box<debug::DebugState>>,
+    /// Lent pages one miss may examine for a reusable window (`pages::MAX_REUSE_CHECKS`;
+    /// tests lower it to exercise the resumed scan).
+    reuse_checks: u64,
 }
 
 /// The allocator for one device. `Send + Sync`; every operation takes one lock briefly.
@@ -253,6 +256,7 @@ impl<D: Device> Allocator<D> {
             history_cap: 0,
             history: VecDeque::new(),
             debug,
+            reuse_checks: pages::MAX_REUSE_CHECKS,
         };
         state.update_limit();
         tracing::debug!(page, total, "gmlake allocator created");
@@ -636,6 +640,14 @@ impl<D: Device> Allocator<D> {
         Ok(())
     }
 
+    /// Sets how many lent pages one miss may examine when it looks for a kept range to
+    /// reuse (default 4,096). For tests, which lower it so that scans are cut short and
+    /// resume where they stopped.
+    #[doc(hidden)]
+    pub fn set_reuse_scan_limit(&self, pages: u64) {
+        self.state.lock().reuse_checks = pages;
+    }
+
     /// Keeps up to `capacity` history events (0 turns history off and drops it).
     pub fn set_history(&self, capacity: usize) {
         let mut st = self.state.lock();
@@ -899,7 +911,9 @@ impl State {
                     None => size.div_ceil(self.page),
                 };
                 let max_busy = (fresh / 2).min((size.div_ceil(self.page) / 4).max(1));
-                if let Some(r) = self.find_reuse(aid, size, max_busy) {
+                let (found, cursor) = self.find_reuse(aid, size, max_busy);
+                self.arenas[aid as usize].reuse_cursor = cursor;
+                if let Some(r) = found {
                     if self.apply_reuse(dev, aid, &r, size)? {
                         let now = self.now;
                         self.with_arena(aid, |a| a.carve(r.start, size, now));
