@@ -344,3 +344,62 @@ proptest! {
         prop_assert_eq!(dev.live_mappings(), 0);
     }
 }
+
+/// Active bytes (PyTorch's `active_bytes`) never exceed reserved bytes in any debug mode, and
+/// return to zero once everything is freed and the cache emptied.
+#[test]
+fn active_bytes_stay_within_reserved_in_debug_modes() {
+    for mode in [
+        "debug:all",
+        "debug:guard",
+        "debug:guard+quarantine",
+        "debug:canary",
+        "debug:quarantine",
+        "debug:poison",
+    ] {
+        let dev = Arc::new(SimDevice::new(4096 * PAGE));
+        let a = Allocator::new(dev.clone(), conf(mode)).unwrap();
+        let mut rng = 0x9e3779b97f4a7c15u64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        let mut live: Vec<u64> = Vec::new();
+        for i in 0..4000u64 {
+            if live.len() > 40 || (!live.is_empty() && next() % 3 == 0) {
+                let k = (next() % live.len() as u64) as usize;
+                a.free(live.swap_remove(k)).unwrap();
+            } else {
+                let size = match next() % 4 {
+                    0 => 1 + next() % 4096,
+                    1 => 1 + next() % (1 << 20),
+                    2 => 1 + next() % (8 << 20),
+                    _ => 1 + next() % (64 << 20),
+                };
+                let stream = next() % 2;
+                live.push(a.allocate(size, stream).unwrap());
+            }
+            let s = a.stats();
+            let active = s.active_bytes.aggregate().current;
+            let reserved = s.reserved_bytes.aggregate().current;
+            assert!(
+                active <= reserved,
+                "{mode}, step {i}: active {active} > reserved {reserved}"
+            );
+            assert!(active >= 0, "{mode}, step {i}: active {active}");
+        }
+        for p in live.drain(..) {
+            a.free(p).unwrap();
+        }
+        a.empty_cache().unwrap();
+        let s = a.stats();
+        assert_eq!(
+            s.active_bytes.aggregate().current,
+            0,
+            "{mode}: active after all frees"
+        );
+        a.verify().unwrap();
+    }
+}

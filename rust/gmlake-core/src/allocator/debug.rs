@@ -11,7 +11,7 @@
 //!
 //! A freed guarded range is unmapped only after events recorded on its streams at free time
 //! complete (its kernels may still run), then its reservation stays (nothing mapped: any
-//! access faults) while it is in the quarantine. Freed arena blocks in quarantine stay live
+//! access faults) while it is in the quarantine; it counts as active until it is unmapped. Freed arena blocks in quarantine stay live
 //! in their arena (as pending frees, so they count as active) until they leave it.
 
 use super::*;
@@ -454,12 +454,8 @@ impl State {
                         unreachable!()
                     };
                     d.held_bytes -= g.size;
+                    // Its active bytes went when its pages were unmapped (`unmap_guarded`).
                     drv!(self, free_va, dev.free_va(g.va, g.va_len as usize))?;
-                    self.stats.active.decrease(PoolKind::Large, 1);
-                    self.stats
-                        .active_bytes
-                        .decrease(PoolKind::Large, g.size as i64);
-                    self.trace(TraceAction::FreeCompleted, g.ptr, g.size, g.stream);
                 }
                 _ => break,
             }
@@ -483,6 +479,14 @@ impl State {
         self.event_pool.append(events);
         *unmapped = true;
         d.waiting -= 1;
+        // Unmapped, the range holds no memory: it stops counting as active here (its pages may
+        // be released below, and active bytes must stay within reserved), though its
+        // reservation stays in the quarantine so that a late access faults.
+        self.stats.active.decrease(PoolKind::Large, 1);
+        self.stats
+            .active_bytes
+            .decrease(PoolKind::Large, g.size as i64);
+        self.trace(TraceAction::FreeCompleted, g.ptr, g.size, g.stream);
         for (k, h) in pages.into_iter().enumerate() {
             drv!(
                 self,
@@ -577,8 +581,8 @@ impl State {
         }
     }
 
-    /// For `verify`: (live guarded allocations, their bytes, held guarded ranges not yet
-    /// freed, pages the mode holds).
+    /// For `verify`: (live guarded allocations, their bytes, held guarded ranges still
+    /// mapped (active until unmapped), pages the mode holds).
     pub(super) fn debug_counts(&self) -> (i64, i64, i64, u64) {
         let Some(d) = &self.debug else {
             return (0, 0, 0, 0);
@@ -586,7 +590,15 @@ impl State {
         let ranges = d
             .held
             .iter()
-            .filter(|h| matches!(h, Held::Range { .. }))
+            .filter(|h| {
+                matches!(
+                    h,
+                    Held::Range {
+                        unmapped: false,
+                        ..
+                    }
+                )
+            })
             .count() as i64;
         (
             d.guarded.len() as i64,
