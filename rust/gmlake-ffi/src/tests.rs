@@ -70,6 +70,17 @@ fn allocate_free_and_stats() {
     assert_eq!(s.driver_calls.len(), 11);
     let j = a.stats_json().unwrap();
     assert!(j.contains("\"gmlake.stitches\":"), "{j}");
+    // The freed memory is cached: a largest free mapped block exists, within the cache.
+    let largest: u64 = j
+        .split("\"gmlake.largest_free_block\":")
+        .nth(1)
+        .and_then(|t| t.split([',', '}']).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no gmlake.largest_free_block in {j}"));
+    assert!(
+        largest > 0 && largest <= a.stats().unwrap().cached_bytes,
+        "{j}"
+    );
     a.empty_cache().unwrap();
     assert_eq!(a.stats().unwrap().reserved_bytes[0].current, 0);
 }
@@ -227,6 +238,7 @@ fn stats_json_says_whether_the_allocator_exists() {
     let empty = empty_stats_json();
     assert!(empty.contains("\"gmlake.initialized\":0"), "{empty}");
     assert!(empty.contains("\"gmlake.stitches\":0"), "{empty}");
+    assert!(empty.contains("\"gmlake.largest_free_block\":0"), "{empty}");
     let live = sim(GIB, "").stats_json().unwrap();
     assert!(live.contains("\"gmlake.initialized\":1"), "{live}");
 }
