@@ -242,3 +242,35 @@ fn stats_json_says_whether_the_allocator_exists() {
     let live = sim(GIB, "").stats_json().unwrap();
     assert!(live.contains("\"gmlake.initialized\":1"), "{live}");
 }
+
+/// The keys of a flat JSON object as this crate writes it.
+fn json_keys(j: &str) -> Vec<String> {
+    let mut keys: Vec<String> = j
+        .split(['{', ','])
+        .filter_map(|part| part.trim().strip_prefix('"')?.split_once("\":"))
+        .map(|(k, _)| k.to_string())
+        .collect();
+    keys.sort();
+    keys
+}
+
+/// python/tests/data/stats-sim.json (what the metrics tests feed their stub) has the keys of
+/// the real statistics: regenerate it when they change (16 allocations of 24 MiB, every other
+/// one freed, then 100 MiB, on a simulated 1 GiB device: the stats JSON of that).
+#[test]
+fn the_python_stats_fixture_has_the_real_keys() {
+    let fixture = include_str!("../../../python/tests/data/stats-sim.json");
+    let a = sim(GIB, "");
+    let mut ptrs = vec![];
+    for _ in 0..16 {
+        ptrs.push(a.allocate(24 * MIB, 0).ptr);
+    }
+    for p in ptrs.iter().step_by(2) {
+        assert_eq!(a.free_ptr(*p).status, 0);
+    }
+    assert_eq!(a.allocate(100 * MIB, 0).status, 0);
+    let live = a.stats_json().unwrap();
+    assert!(json_keys(fixture).len() > 100, "{fixture}");
+    assert_eq!(json_keys(fixture), json_keys(&live));
+    assert!(live.contains("\"gmlake.stitches\":1"), "{live}");
+}
