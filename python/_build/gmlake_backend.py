@@ -24,14 +24,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-try:
-    from scikit_build_core import build as _skb
-except ImportError as e:  # --no-build-isolation without the backend installed
-    raise SystemExit(
-        "\ngmlake build error: scikit-build-core is not installed ({}): with "
-        "--no-build-isolation, first pip install 'scikit-build-core>=0.10'\n".format(e)
-    ) from e
-
 HERE = Path(__file__).resolve().parent  # python/_build
 PYDIR = HERE.parent  # python/
 BUILD_INFO = PYDIR / "gmlake" / "_build_info.py"
@@ -164,12 +156,21 @@ def prepare() -> dict:
     return info
 
 
-def _wrap(name):
-    fn = getattr(_skb, name)
+def _skb():
+    try:
+        from scikit_build_core import build
+    except ImportError as e:  # --no-build-isolation without the backend installed
+        raise BuildError(
+            f"scikit-build-core is not installed ({e}): with --no-build-isolation, first "
+            "pip install 'scikit-build-core>=0.10'"
+        ) from None
+    return build
 
+
+def _wrap(name):
     def hook(*args, **kwargs):
         prepare()
-        return fn(*args, **kwargs)
+        return getattr(_skb(), name)(*args, **kwargs)
 
     hook.__name__ = name
     return hook
