@@ -8,14 +8,18 @@
 #
 #   scripts/gpu-wheel-test.sh [WHEEL]
 #
-# Environment: OUT (logs; default build/gpu-wheel-test), PYTHON (python3), GMLAKE_METRICS_PORT
+# Run from the repository root (it uses tests/gpu/cases/train_lora.py); a copy of this script
+# in .artifacts/wheel/ works too. Environment: OUT (logs; default build/gpu-wheel-test), PYTHON (python3), GMLAKE_METRICS_PORT
 # (9400), GMLAKE_TRAIN_STEPS (60), GMLAKE_SITE (/tmp/gmlake-site). prometheus-client is taken
 # from the environment, else from a wheel beside gmlake's in .artifacts/wheel/.
 # Writes to $OUT: pip.log, import.log, train.log, scrape-*.txt, check.log, second-server.log,
 # summary.txt. Exit status 0 when every check passed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$PWD
+HERE="$(cd "$(dirname "$0")" && pwd)"
+# The repository: the current folder when it is one (the script may be run from a copy in
+# .artifacts/wheel/), else the script's parent.
+if [ -f tests/gpu/cases/train_lora.py ]; then ROOT=$PWD; else ROOT="$(cd "$HERE/.." && pwd)"; fi
+cd "$ROOT"
 OUT="${OUT:-$ROOT/build/gpu-wheel-test}"
 PY="${PYTHON:-python3}"
 PORT="${GMLAKE_METRICS_PORT:-9400}"
@@ -26,7 +30,7 @@ log() { printf '[gpu-wheel-test] %s\n' "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 fail=0
 
-WHEEL="${1:-$(ls "$ROOT"/.artifacts/wheel/gmlake-*.whl 2>/dev/null | head -1)}"
+WHEEL="${1:-$(ls "$ROOT"/.artifacts/wheel/gmlake-*.whl "$HERE"/gmlake-*.whl 2>/dev/null | head -1)}"
 if [ -z "$WHEEL" ] || [ ! -f "$WHEEL" ]; then
   log "FAIL: no wheel (carry .artifacts/wheel/ built by scripts/build-wheel.sh)"; exit 1
 fi
@@ -38,7 +42,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 rm -rf "$SITE"
 pkgs=("$WHEEL")
 if ! "$PY" -c "import prometheus_client" 2>/dev/null; then
-  prom=$(ls "$ROOT"/.artifacts/wheel/prometheus_client-*.whl 2>/dev/null | head -1)
+  prom=$(ls "$(dirname "$WHEEL")"/prometheus_client-*.whl 2>/dev/null | head -1)
   if [ -n "$prom" ]; then pkgs+=("$prom"); else log "prometheus-client missing and not carried"; fi
 fi
 if ! "$PY" -m pip install --no-deps --no-index --target "$SITE" "${pkgs[@]}" >"$OUT/pip.log" 2>&1; then
