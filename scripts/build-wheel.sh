@@ -10,7 +10,8 @@
 #
 # The torch and CUDA files are the ones scripts/build-torch-ext.sh downloads and unpacks into
 # .artifacts/ (it is run first when they are missing). The wheel goes to DIR (default
-# .artifacts/wheel). pip builds it in an isolated environment (scikit-build-core from PyPI);
+# .artifacts/wheel), with a prometheus-client wheel and scripts/gpu-wheel-test.sh: carried to
+# a GPU machine, `bash .artifacts/wheel/gpu-wheel-test.sh` tests it there. pip builds it in an isolated environment (scikit-build-core from PyPI);
 # GMLAKE_NO_BUILD_ISOLATION=1 builds with the scikit-build-core installed instead.
 # Environment: TORCH_VERSION (2.11.0), CUDA_SERIES (13.0), GMLAKE_ARTIFACTS (.artifacts).
 set -euo pipefail
@@ -66,6 +67,11 @@ rm -f "$OUT"/gmlake-*.whl
 cp "$whl" "$OUT/"
 whl="$OUT/$name"
 log "ok: $whl ($(du -h "$whl" | cut -f1))"
+# For the GPU machine (no network): the metrics extra's wheel and the test script beside it
+# (scripts/gpu-wheel-test.sh; carry the folder).
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$OUT" "prometheus-client>=0.17" >/dev/null 2>&1 \
+  || log "note: prometheus-client not downloaded (no network?)"
+cp scripts/gpu-wheel-test.sh "$OUT/"
 python3 -m zipfile -l "$whl" | awk 'NR > 1 {print "  " $1}'
 
 [ "$TEST" = 1 ] || exit 0
