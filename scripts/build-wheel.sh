@@ -11,8 +11,9 @@
 # The torch and CUDA files are the ones scripts/build-torch-ext.sh downloads and unpacks into
 # .artifacts/ (it is run first when they are missing). The wheel goes to DIR (default
 # .artifacts/wheel), with a prometheus-client wheel and scripts/gpu-wheel-test.sh: carried to
-# a GPU machine, `bash .artifacts/wheel/gpu-wheel-test.sh` tests it there. pip builds it in an isolated environment (scikit-build-core from PyPI);
-# GMLAKE_NO_BUILD_ISOLATION=1 builds with the scikit-build-core installed instead.
+# a GPU machine, `bash .artifacts/wheel/gpu-wheel-test.sh` tests it there. pip builds it in
+# an isolated environment (scikit-build-core from PyPI); GMLAKE_NO_BUILD_ISOLATION=1 builds
+# with the scikit-build-core installed instead.
 # Environment: TORCH_VERSION (2.11.0), CUDA_SERIES (13.0), GMLAKE_ARTIFACTS (.artifacts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
