@@ -138,7 +138,10 @@ def _load() -> ctypes.CDLL:
             return _lib
         path = library_path()
         # torch first: its libraries (libc10, libc10_cuda, libcudart) satisfy ours by soname.
-        import torch
+        try:
+            import torch
+        except ImportError as e:
+            raise RuntimeError(f"gmlake: torch cannot be imported ({e}): gmlake runs inside PyTorch") from e
 
         if _build_info is not None and Path(path).resolve() == _packaged_library():
             check_torch(torch.__version__, getattr(getattr(torch, "version", None), "cuda", None))
