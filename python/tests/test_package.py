@@ -163,3 +163,14 @@ def test_check_torch_names_both_versions(monkeypatch):
         gmlake.check_torch("2.11.0+cpu", None)
     monkeypatch.setattr(gmlake, "_build_info", None)
     gmlake.check_torch("1.0.0", None)  # a source checkout: the library checks itself
+
+
+def test_enable_without_torch_says_so(monkeypatch, tmp_path):
+    lib = tmp_path / "libgmlake_torch.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("GMLAKE_LIBRARY", str(lib))
+    monkeypatch.setattr(gmlake, "_lib_path", None)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(RuntimeError, match="torch cannot be imported"):
+        gmlake.enable()
+    assert not gmlake.is_enabled()
