@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the gmlake wheel (pip wheel ./python: the Rust staticlib and libgmlake_torch.so through
 # scikit-build-core and cpp/CMakeLists.txt) against PyPI's torch wheel and CUDA runtime headers
-# on a machine without a GPU, as CI does, and with --test installs it into a clean virtual
+# on a machine without a GPU, as CI does (pip runs in a virtual environment whose
+# site-packages holds the unpacked torch/ and nvidia/cu13/, found as an installed torch is), and with --test installs it into a clean virtual
 # environment and runs the Python package tests from the installed package (outside the
 # source tree, no PYTHONPATH). torch there is a stub: the CUDA torch and its nvidia wheels are
 # several GB; the installed library is still loaded, against the unpacked torch libraries.
@@ -46,18 +47,25 @@ if [ ! -f "$TORCH_DIR/include/c10/cuda/CUDACachingAllocator.h" ] || [ ! -f "$TOR
   log "torch $TORCH_VERSION / CUDA $CUDA_SERIES files missing: scripts/build-torch-ext.sh fetches them"
   bash scripts/build-torch-ext.sh
 fi
-CUDART=$(ls "$CUDA_DIR"/lib/libcudart.so.* | head -1)
 
-# ---- the wheel
+# ---- the wheel, built as a user does: pip in a virtual environment whose site-packages holds
+# torch (the unpacked wheel's torch/, linked) and PyPI's CUDA runtime beside it (nvidia/cu13),
+# so the build finds both from the interpreter running pip (nothing passed to it).
 mkdir -p "$OUT"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+python3 -m venv "$tmp/build-venv"
+site=$("$tmp/build-venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+ln -s "$TORCH_DIR" "$site/torch"
+mkdir -p "$site/nvidia"
+ln -s "$CUDA_DIR" "$site/nvidia/cu$CUDA_MAJOR"
 iso=()
-[ "${GMLAKE_NO_BUILD_ISOLATION:-0}" = 1 ] && iso=(--no-build-isolation)
-log "pip wheel ./python ${iso[*]} against torch $TORCH_VERSION ($TORCH_DIR)"
-GMLAKE_TORCH_DIR="$TORCH_DIR" \
-CMAKE_ARGS="-DCUDA_INCLUDE_DIR=$CUDA_DIR/include -DCUDART_LIBRARY=$CUDART" \
-  python3 -m pip wheel ./python "${iso[@]}" --no-deps -q -w "$tmp"
+if [ "${GMLAKE_NO_BUILD_ISOLATION:-0}" = 1 ]; then
+  iso=(--no-build-isolation)
+  "$tmp/build-venv/bin/python" -m pip install -q "scikit-build-core>=0.10"
+fi
+log "pip wheel ./python ${iso[*]} in a venv with torch $TORCH_VERSION (from $TORCH_DIR)"
+(unset GMLAKE_TORCH_DIR CMAKE_ARGS; "$tmp/build-venv/bin/python" -m pip wheel ./python "${iso[@]}" --no-deps -q -w "$tmp")
 whl=$(ls "$tmp"/gmlake-*.whl)
 name=$(basename "$whl")
 case "$name" in

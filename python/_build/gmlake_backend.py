@@ -53,7 +53,7 @@ def repo_root() -> Path:
 def find_torch_dir() -> Path:
     env = os.environ.get("GMLAKE_TORCH_DIR")
     if env:
-        d = Path(env).resolve()
+        d = Path(os.path.abspath(env))
         if not d.is_dir():
             raise BuildError(f"GMLAKE_TORCH_DIR={env} is not a folder")
         return d
@@ -67,7 +67,8 @@ def find_torch_dir() -> Path:
             continue
         out = r.stdout.strip()
         if r.returncode == 0 and out:
-            return Path(out).resolve()
+            # Not resolved: a linked torch/ keeps its site-packages (CUDA is looked for beside it).
+            return Path(os.path.abspath(out))
     raise BuildError(
         f"torch not found for {sys.executable}: gmlake's library is built against the torch "
         "it will run with. Install torch first (pip install torch), then "

@@ -44,7 +44,7 @@ def test_a_cpu_torch_or_one_without_headers_is_refused(tmp_path):
 def test_torch_dir_from_the_environment(tmp_path, monkeypatch):
     d = fake_torch(tmp_path)
     monkeypatch.setenv("GMLAKE_TORCH_DIR", str(d))
-    assert backend.find_torch_dir() == d.resolve()
+    assert backend.find_torch_dir().resolve() == d.resolve()
     monkeypatch.setenv("GMLAKE_TORCH_DIR", str(tmp_path / "nope"))
     with pytest.raises(SystemExit, match="is not a folder"):
         backend.find_torch_dir()
@@ -57,7 +57,7 @@ def test_torch_found_from_the_interpreter_running_pip(tmp_path, monkeypatch):
     (d / "__init__.py").write_text("raise SystemExit('must not be imported')\n")
     monkeypatch.delenv("GMLAKE_TORCH_DIR", raising=False)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    assert backend.find_torch_dir() == d.resolve()
+    assert backend.find_torch_dir().resolve() == d.resolve()
 
 
 def test_a_missing_torch_is_a_clear_error(tmp_path, monkeypatch):
