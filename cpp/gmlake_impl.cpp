@@ -18,9 +18,121 @@
 
 #include "version_compat.h"
 
+#if GMLAKE_TORCH_VERSION_NUM >= 211
+#include <c10/cuda/CUDAAllocatorConfig.h>
+#endif
+
 namespace gmlake {
 
 namespace {
+
+// PyTorch's allocator settings (PYTORCH_CUDA_ALLOC_CONF, or
+// torch.cuda.memory._set_allocator_settings at run time) as torch parsed and checked them:
+// torch parses every key, gmlake reads those that mean something for it.
+size_t torch_roundup_divisions(size_t size) {
+#if GMLAKE_TORCH_VERSION_NUM >= 211
+  return c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(size);
+#else
+  (void)size;
+  return 0;
+#endif
+}
+
+// per_process_memory_fraction (1.0 when unset). Reading it makes torch parse the settings,
+// so an invalid value raises torch's own error (ValueError in Python), as under PyTorch's
+// allocator when CUDA initializes.
+double torch_memory_fraction() {
+#if GMLAKE_TORCH_VERSION_NUM >= 211
+  return c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::per_process_memory_fraction();
+#else
+  return 1.0;
+#endif
+}
+
+bool torch_capture_reuse() {
+#if GMLAKE_TORCH_VERSION_NUM >= 211
+  return c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::graph_capture_record_stream_reuse();
+#else
+  return false;
+#endif
+}
+
+// PyTorch's round_size for `divisions` > 1 (roundup_power2_divisions): the next of
+// `divisions` equal steps between the size's power of two and the next one.
+uint64_t round_size_with(uint64_t size, uint64_t divisions) {
+  constexpr uint64_t kMin = 512;
+  if (size < kMin) {
+    return kMin;
+  }
+  if (divisions > 1 && size > kMin * divisions) {
+    if ((size & (size - 1)) == 0) {
+      return size;
+    }
+    const uint64_t floor = uint64_t{1} << (63 - __builtin_clzll(size));
+    const uint64_t step = floor >> (63 - __builtin_clzll(divisions));
+    if (step == 0) {
+      return floor << 1;
+    }
+    const uint64_t down = size & ~(step - 1);
+    return down == size ? size : down + step;
+  }
+  return (size + kMin - 1) / kMin * kMin;
+}
+
+#if GMLAKE_TORCH_VERSION_NUM >= 211
+// The capture a stream is in, and the graph nodes its next work will depend on.
+struct CaptureState {
+  bool active = false;
+  unsigned long long id = 0;
+  cudaGraph_t graph = nullptr;
+  const cudaGraphNode_t* terminals = nullptr;
+  size_t n = 0;
+};
+
+CaptureState capture_state(cudaStream_t s) {
+  CaptureState c;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+#if CUDART_VERSION >= 13000
+  cudaError_t e = cudaStreamGetCaptureInfo(s, &status, &c.id, &c.graph, &c.terminals, nullptr, &c.n);
+#else
+  cudaError_t e = cudaStreamGetCaptureInfo_v2(s, &status, &c.id, &c.graph, &c.terminals, &c.n);
+#endif
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return CaptureState{};
+  }
+  c.active = status == cudaStreamCaptureStatusActive;
+  return c;
+}
+
+std::vector<cudaGraphNode_t> graph_parents(cudaGraphNode_t node) {
+  size_t count = 0;
+#if CUDART_VERSION >= 13000
+  if (cudaGraphNodeGetDependencies(node, nullptr, nullptr, &count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {};
+  }
+  std::vector<cudaGraphNode_t> out(count);
+  std::vector<cudaGraphEdgeData> edges(count);
+  if (count != 0 && cudaGraphNodeGetDependencies(node, out.data(), edges.data(), &count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {};
+  }
+#else
+  if (cudaGraphNodeGetDependencies(node, nullptr, &count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {};
+  }
+  std::vector<cudaGraphNode_t> out(count);
+  if (count != 0 && cudaGraphNodeGetDependencies(node, out.data(), &count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return {};
+  }
+#endif
+  out.resize(count);
+  return out;
+}
+#endif
 
 std::atomic<Impl*> g_instance{nullptr};
 
@@ -85,6 +197,9 @@ void Impl::init(int device_count) {
       device_count >= 0 && device_count <= kMaxDevices,
       "gmlake: unsupported device count ",
       device_count);
+  // Makes torch parse its allocator settings now, so an invalid value is an error when CUDA
+  // initializes, as with PyTorch's allocator.
+  (void)torch_memory_fraction();
   std::lock_guard<std::mutex> g(create_mu_);
   for (int i = 0; i < device_count; ++i) {
     if (!devices_[i]) {
@@ -127,12 +242,25 @@ const ffi::Gmlake& Impl::core(int device) {
   if (c != nullptr) {
     return *c;
   }
+  // PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction, as PyTorch's allocator applies it
+  // to each device (gmlake's own memory_fraction, when set, wins).
+  const double torch_fraction = torch_memory_fraction();
   try {
     // The Rust side retains the device's primary context (the runtime's) and makes it
     // current around its own driver calls.
     rust::Box<ffi::Gmlake> box = ffi::new_cuda_allocator(device, rust::Str(conf_));
     if (tracing_.load()) {
       box->set_history(1 << 16);
+    }
+    if (torch_fraction < 1.0 && box->memory_fraction() < 0) {
+      box->set_memory_fraction(torch_fraction);
+    }
+    ds.page_size.store(box->page_size(), std::memory_order_release);
+    const uint32_t mode = box->debug_mode();
+    if (mode != 0) {
+      ds.debug = std::make_unique<DebugDevice>(device, mode);
+      std::fprintf(stderr, "[gmlake] memory debugging mode on for device %d: %s\n", device,
+                   settings_string().c_str());
     }
     c = box.into_raw();
   } catch (const rust::Error& e) {
@@ -304,7 +432,10 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
   DeviceState& ds = *devices_[device];
 
   // CUDA graph capture (or use_mem_pool): route to the pool whose filter accepts the stream.
+  // The innermost routing whose filter accepts the stream wins (nested use_mem_pool blocks
+  // and captures form a stack, as in PyTorch's allocator).
   bool in_pool = false;
+  bool no_split = false;
   PoolId pool{0, 0};
   if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
     std::lock_guard<std::mutex> g(ds.pool_mu);
@@ -312,8 +443,28 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
       if (it->second(stream)) {
         pool = it->first;
         in_pool = true;
+        no_split = ds.n_no_split.load(std::memory_order_relaxed) > 0 && ds.no_split.count(pool) != 0;
         break;
       }
+    }
+  }
+  if (C10_UNLIKELY(in_pool && ds.n_deferred.load(std::memory_order_acquire) > 0)) {
+    free_safe_blocks_in_capture(ds, c, stream);
+  }
+
+  // Rounding the core is not told about by its configuration: PyTorch's
+  // roundup_power2_divisions (torch's settings, changeable at run time), and whole pages for
+  // a pool without splitting. 0: the core's own (512 bytes).
+  uint64_t rounded = 0;
+  if (nbytes > 0) {
+    const size_t divisions = torch_roundup_divisions(nbytes);
+    if (C10_UNLIKELY(divisions > 1)) {
+      rounded = round_size_with(nbytes, divisions);
+    }
+    if (C10_UNLIKELY(no_split)) {
+      const uint64_t page = std::max<uint64_t>(ds.page_size.load(std::memory_order_acquire), 512);
+      const uint64_t want = std::max<uint64_t>(rounded, nbytes);
+      rounded = (want + page - 1) / page * page;
     }
   }
 
@@ -327,11 +478,15 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
       relaxed.emplace(cudaStreamCaptureModeRelaxed);
     }
+    if (C10_UNLIKELY(rounded != 0)) {
+      return c.allocate_rounded(nbytes, rounded, sid, pool.first, pool.second, in_pool);
+    }
     return in_pool ? c.allocate_in_pool(nbytes, sid, pool.first, pool.second)
                    : c.allocate(nbytes, sid);
   };
 
   ffi::AllocOutcome r;
+  ContextPtr debug_ctx;
   if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
     r = call();
   } else {
@@ -342,10 +497,24 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     if (r.status == 0 && r.ptr != 0 && ctx) {
       ds.contexts[r.ptr] = ctx;
     }
+    debug_ctx = std::move(ctx);
   }
 
   if (C10_LIKELY(r.status == 0)) {
     void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(r.ptr));
+    // Debug mode (not during a capture: no work may be queued on a capturing stream, and no
+    // event queried): fill the canary of the new block, check those of freed ones.
+    if (C10_UNLIKELY(ds.debug != nullptr) && p != nullptr && !in_pool &&
+        ds.n_routes.load(std::memory_order_acquire) == 0) {
+      try {
+        ffi::AllocationRecord a = c.allocation(r.ptr);
+        if (a.found) {
+          ds.debug->on_alloc(r.ptr, a.size, a.requested, stream, std::move(debug_ctx));
+        }
+      } catch (const std::exception&) {
+      }
+      debug_poll(ds, false);
+    }
     if (p != nullptr) {
       compat::trace_gpu_alloc(p);
       if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
@@ -472,6 +641,19 @@ void Impl::free(void* ptr) noexcept {
     std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
     if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
       relaxed.emplace(cudaStreamCaptureModeRelaxed);
+      // A block used on other streams, freed during a capture: held until the graph orders
+      // those uses before later work (graph_capture_record_stream_reuse), as PyTorch's.
+      if (torch_capture_reuse() && defer_free_in_capture(ds, c, p)) {
+        compat::trace_gpu_free(ptr);
+        return;
+      }
+    }
+    const bool debug = C10_UNLIKELY(ds.debug != nullptr) && ds.n_routes.load(std::memory_order_acquire) == 0;
+    if (debug) {
+      // The canary copy and the poison are queued on the block's stream before the core
+      // frees it (and may hand it out again).
+      c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device));
+      ds.debug->on_free(p);
     }
     ffi::FreeOutcome r;
     if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
@@ -482,6 +664,9 @@ void Impl::free(void* ptr) noexcept {
       r = c.free_ptr(p);
       drain(ds, nullptr, ctx);
       ds.contexts.erase(p);
+    }
+    if (debug) {
+      debug_poll(ds, false);
     }
     switch (r.status) {
       case 0:
@@ -537,6 +722,9 @@ void Impl::record_stream(void* ptr, c10::DeleterFnPtr deleter, int device, cudaS
     log_once("foreign-record", "ignoring record_stream on a pointer that gmlake did not allocate");
     return;
   }
+  if (C10_UNLIKELY(devices_[d]->debug != nullptr)) {
+    devices_[d]->debug->on_record_stream(as_u64(ptr));
+  }
   ffi::FreeOutcome r = core_if_created(d)->record_stream(as_u64(ptr), stream_id(stream));
   if (r.status == 1) {
     log_once(
@@ -587,6 +775,11 @@ void Impl::empty_cache(PoolId /*pool*/) {
   for (int d = 0; d < n; ++d) {
     const ffi::Gmlake* c = core_if_created(d);
     if (c == nullptr) {
+      // PyTorch's allocator synchronizes every initialized device here (num_sync_all_streams),
+      // whether it allocated on it or not.
+      if (devices_[d] && devices_[d]->n_routes.load() == 0) {
+        devices_[d]->syncs_without_core.fetch_add(1);
+      }
       continue;
     }
     DeviceState& ds = *devices_[d];
@@ -645,13 +838,8 @@ void Impl::set_memory_fraction(double fraction, int device) {
       ". Please set within [0, 1].");
   const ffi::Gmlake& c = core(device);
   try {
-    if (fraction == 0) {
-      // PyTorch accepts 0 (nothing may be allocated); gmlake's fraction is (0, 1]: a limit of
-      // one byte has the same effect.
-      c.set_limit(1);
-    } else {
-      c.set_memory_fraction(fraction);
-    }
+    // 0 allows nothing new, as PyTorch's; get_per_process_memory_fraction reports it back.
+    c.set_memory_fraction(fraction);
   } catch (const rust::Error& e) {
     TORCH_CHECK(false, e.what());
   }
@@ -671,22 +859,28 @@ double Impl::memory_fraction(int device) {
 // Statistics and snapshots
 
 ffi::Stats Impl::stats(int device, bool* present) {
-  state(device); // checks the index
+  DeviceState& ds = state(device); // checks the index
+  const int64_t early_syncs = ds.syncs_without_core.load();
   const ffi::Gmlake* c = core_if_created(device);
   if (c == nullptr) {
-    *present = false;
-    return ffi::Stats{};
+    ffi::Stats s{};
+    s.num_sync_all_streams = early_syncs;
+    s.max_split_size = std::numeric_limits<int64_t>::max();
+    *present = early_syncs != 0;
+    return s;
   }
   *present = true;
   try {
-    return c->stats();
+    ffi::Stats s = c->stats();
+    s.num_sync_all_streams += early_syncs;
+    return s;
   } catch (const rust::Error& e) {
     TORCH_CHECK(false, "gmlake: ", e.what());
   }
 }
 
 void Impl::reset_accumulated_stats(int device) {
-  state(device);
+  state(device).syncs_without_core.store(0);
   const ffi::Gmlake* c = core_if_created(device);
   if (c != nullptr) {
     try {
@@ -752,6 +946,110 @@ std::string Impl::settings_string() {
     out << ",error:" << e.what();
   }
   return out.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory debugging mode
+
+void Impl::debug_poll(DeviceState& ds, bool wait) noexcept {
+  if (ds.debug == nullptr) {
+    return;
+  }
+  std::vector<DebugReport> found = ds.debug->poll(wait);
+  if (found.empty()) {
+    return;
+  }
+  try {
+    ffi::Gmlake* c = ds.core.load(std::memory_order_acquire);
+    bool keep = false;
+    size_t cap = 0;
+    {
+      std::lock_guard<std::mutex> g(hist_mu_);
+      keep = record_history_;
+      cap = max_entries_;
+    }
+    for (auto& r : found) {
+      std::fprintf(stderr, "[gmlake] debug mode: %s\n", r.message.c_str());
+      std::fflush(stderr);
+      if (c != nullptr) {
+        try {
+          c->debug_canary_error(rust::Str(r.message));
+        } catch (const rust::Error&) {
+        }
+      }
+      // The allocation's stack goes into the history as a "snapshot" entry at the block's
+      // address, which torch symbolizes; gmlake.debug_report() takes its frames from there.
+      if (keep && cap > 0 && r.context) {
+        std::lock_guard<std::mutex> g(ds.trace_mu);
+        ds.trace.push_back(TraceRec{
+            Action::SNAPSHOT,
+            ds.index,
+            r.address,
+            r.requested,
+            reinterpret_cast<void*>(static_cast<uintptr_t>(r.stream)),
+            PoolId{0, 0},
+            c10::getApproximateTime(),
+            r.context,
+            std::string(),
+            std::string()});
+        while (ds.trace.size() > cap) {
+          ds.trace.pop_front();
+        }
+      }
+      std::lock_guard<std::mutex> g(debug_mu_);
+      r.id = debug_reports_.size() + 1;
+      r.context.reset();
+      debug_reports_.push_back(std::move(r));
+    }
+  } catch (...) {
+  }
+}
+
+size_t Impl::debug_check(bool wait) {
+  const int n = device_count_.load();
+  for (int d = 0; d < n; ++d) {
+    if (core_if_created(d) != nullptr && devices_[d]->debug != nullptr) {
+      c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(d));
+      debug_poll(*devices_[d], wait);
+    }
+  }
+  std::lock_guard<std::mutex> g(debug_mu_);
+  return debug_reports_.size();
+}
+
+std::string Impl::debug_reports_json() {
+  std::lock_guard<std::mutex> g(debug_mu_);
+  std::ostringstream out;
+  out << "[";
+  bool first = true;
+  for (const auto& r : debug_reports_) {
+    out << (first ? "" : ",") << "{\"id\":" << r.id << ",\"kind\":\"" << r.kind
+        << "\",\"device\":" << r.device << ",\"address\":" << r.address
+        << ",\"requested\":" << r.requested << ",\"size\":" << r.size
+        << ",\"stream\":" << r.stream << ",\"first_bad\":" << r.first_bad
+        << ",\"bad_bytes\":" << r.bad_bytes << ",\"canary_bytes\":" << r.canary_bytes
+        << ",\"message\":\"";
+    for (char ch : r.message) {
+      if (ch == '"' || ch == '\\') {
+        out << '\\';
+      }
+      out << (static_cast<unsigned char>(ch) < 0x20 ? ' ' : ch);
+    }
+    out << "\"}";
+    first = false;
+  }
+  out << "]";
+  return out.str();
+}
+
+uint32_t Impl::debug_mode() {
+  const int n = device_count_.load();
+  for (int d = 0; d < n; ++d) {
+    if (core_if_created(d) != nullptr && devices_[d]->debug != nullptr) {
+      return devices_[d]->debug->mode();
+    }
+  }
+  return 0;
 }
 
 SnapshotData Impl::snapshot(PoolId pool, bool include_traces) {
@@ -865,6 +1163,12 @@ void Impl::end_allocate_to_pool(int device, PoolId pool) {
   TORCH_CHECK(it != ds.routes.end(), "endAllocateToPool: not currently recording to mempool_id");
   ds.routes.erase(it);
   ds.n_routes.store(static_cast<int>(ds.routes.size()), std::memory_order_release);
+  if (ds.routes.empty()) {
+    ds.visited.clear();
+  }
+  if (ds.n_deferred.load() > 0) {
+    flush_deferred_frees(ds, c);
+  }
   try {
     c.end_capture(pool.first, pool.second);
   } catch (const rust::Error& e) {
@@ -900,6 +1204,132 @@ void Impl::create_or_incref_pool(int device, PoolId pool) {
   DeviceState& ds = *devices_[device];
   std::lock_guard<std::mutex> g(ds.pool_mu);
   ds.pool_use[pool] += 1;
+}
+
+void Impl::set_no_split(int device, PoolId pool) {
+  core(device);
+  DeviceState& ds = *devices_[device];
+  std::lock_guard<std::mutex> g(ds.pool_mu);
+  ds.no_split.insert(pool);
+  ds.n_no_split.store(static_cast<int>(ds.no_split.size()), std::memory_order_release);
+}
+
+bool Impl::defer_free_in_capture(DeviceState& ds, const ffi::Gmlake& c, uint64_t ptr) {
+#if GMLAKE_TORCH_VERSION_NUM >= 211
+  rust::Vec<uint64_t> uses = c.stream_uses(ptr);
+  if (uses.empty()) {
+    return false;
+  }
+  ffi::AllocationRecord a = c.allocation(ptr);
+  if (!a.found || a.ptr != ptr) {
+    return false;
+  }
+  // The free markers: the nodes each stream that used the block has reached now. Any stream
+  // not capturing (or in another graph): the free waits for events after the capture.
+  const cudaStream_t own = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(a.stream));
+  std::unordered_set<void*> markers;
+  cudaGraph_t graph = nullptr;
+  auto add = [&](cudaStream_t s) {
+    CaptureState cs = capture_state(s);
+    if (!cs.active || (graph != nullptr && cs.graph != graph)) {
+      return false;
+    }
+    graph = cs.graph;
+    for (size_t i = 0; i < cs.n; ++i) {
+      markers.insert(static_cast<void*>(cs.terminals[i]));
+    }
+    return true;
+  };
+  if (!add(own)) {
+    return false;
+  }
+  for (uint64_t u : uses) {
+    if (!add(reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(u)))) {
+      return false;
+    }
+  }
+  std::lock_guard<std::mutex> g(ds.pool_mu);
+  ds.deferred[ptr] = DeviceState::DeferredFree{own, std::vector<void*>(markers.begin(), markers.end())};
+  ds.n_deferred.store(static_cast<int>(ds.deferred.size()), std::memory_order_release);
+  return true;
+#else
+  (void)ds;
+  (void)c;
+  (void)ptr;
+  return false;
+#endif
+}
+
+void Impl::free_safe_blocks_in_capture(DeviceState& ds, const ffi::Gmlake& c, cudaStream_t stream) {
+#if GMLAKE_TORCH_VERSION_NUM >= 211
+  CaptureState cs = capture_state(stream);
+  if (!cs.active || cs.n == 0) {
+    return;
+  }
+  std::vector<uint64_t> ready;
+  {
+    std::lock_guard<std::mutex> g(ds.pool_mu);
+    // Every node the stream's terminals depend on (kept per capture and stream: the graph
+    // only grows, so nodes found before stay ancestors).
+    auto& visited = ds.visited[cs.id][stream];
+    std::vector<cudaGraphNode_t> todo(cs.terminals, cs.terminals + cs.n);
+    while (!todo.empty()) {
+      cudaGraphNode_t v = todo.back();
+      todo.pop_back();
+      if (!visited.insert(static_cast<void*>(v)).second) {
+        continue;
+      }
+      for (cudaGraphNode_t p : graph_parents(v)) {
+        todo.push_back(p);
+      }
+    }
+    for (auto it = ds.deferred.begin(); it != ds.deferred.end();) {
+      const auto& d = it->second;
+      bool ok = d.stream == stream && !d.markers.empty();
+      for (size_t i = 0; ok && i < d.markers.size(); ++i) {
+        ok = visited.count(d.markers[i]) != 0;
+      }
+      if (ok) {
+        ready.push_back(it->first);
+        it = ds.deferred.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    ds.n_deferred.store(static_cast<int>(ds.deferred.size()), std::memory_order_release);
+  }
+  // Every use is ordered before the stream's next work: free as a block of that stream only
+  // (driver work, if any, in relaxed capture mode, as every allocator call during a capture).
+  c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+  for (uint64_t p : ready) {
+    ffi::FreeOutcome r = c.clear_stream_uses(p);
+    if (r.status == 0) {
+      r = c.free_ptr(p);
+    }
+    if (r.status != 0) {
+      log_once("capture-reuse", "gmlake: freeing a block held during capture failed: " + std::string(r.message));
+    }
+  }
+#else
+  (void)ds;
+  (void)c;
+  (void)stream;
+#endif
+}
+
+void Impl::flush_deferred_frees(DeviceState& ds, const ffi::Gmlake& c) {
+  // Caller holds ds.pool_mu. The blocks still held are freed with their stream uses: the
+  // core waits for events on those streams, recorded once no capture is underway.
+  std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
+  relaxed.emplace(cudaStreamCaptureModeRelaxed);
+  for (const auto& kv : ds.deferred) {
+    ffi::FreeOutcome r = c.free_ptr(kv.first);
+    if (r.status != 0) {
+      log_once("capture-reuse", "gmlake: freeing a block held during capture failed: " + std::string(r.message));
+    }
+  }
+  ds.deferred.clear();
+  ds.n_deferred.store(0, std::memory_order_release);
 }
 
 int Impl::pool_use_count(int device, PoolId pool) {

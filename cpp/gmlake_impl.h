@@ -20,13 +20,16 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
 #include "rust/cxx.h"
 #include "gmlake-ffi/src/lib.rs.h"
+#include "gmlake_debug.h"
 
 namespace gmlake {
 
@@ -172,6 +175,9 @@ class Impl {
   void end_allocate_to_pool(int device, PoolId pool);
   void release_pool(int device, PoolId pool) noexcept;
   void create_or_incref_pool(int device, PoolId pool);
+  // MemPool(no_split=True): every allocation of the pool gets whole pages of its own (no two
+  // allocations share a page), as PyTorch's pool gives each its own segment.
+  void set_no_split(int device, PoolId pool);
   int pool_use_count(int device, PoolId pool);
   bool check_pool_live_allocations(
       int device,
@@ -222,6 +228,14 @@ class Impl {
   std::shared_ptr<void> get_ipc_dev_ptr(const std::string& handle);
   std::shared_ptr<void> open_cuda_ipc_handle(const std::string& raw);
 
+  // Memory debugging mode (GMLAKE_CONF=debug:...; see gmlake_debug.h). debug_check checks
+  // the canaries of freed blocks (waiting for their copies if `wait`) and returns the number
+  // of reports so far; debug_reports_json: every report as a JSON list.
+  size_t debug_check(bool wait);
+  std::string debug_reports_json();
+  // The mode's bits on the first created device (0: off or no device yet).
+  uint32_t debug_mode();
+
   // Peers and copies.
   void enable_peer_access(int dev, int dev_to_access);
   cudaError_t memcpy_async(
@@ -242,12 +256,32 @@ class Impl {
     std::atomic<int> n_routes{0};
     std::vector<std::pair<PoolId, StreamFilter>> routes;
     std::map<PoolId, int> pool_use;
+    std::set<PoolId> no_split;
+    std::atomic<int> n_no_split{0};
+    // The core's page size (0 until the core exists).
+    std::atomic<uint64_t> page_size{0};
+    // empty_cache calls that found no core on this device: PyTorch's allocator synchronizes
+    // every initialized device on each (num_sync_all_streams), used or not.
+    std::atomic<int64_t> syncs_without_core{0};
+    // Frees of record_stream'ed blocks during a capture, held until the graph proves that
+    // every recorded use precedes later work of the block's stream (PyTorch's
+    // graph_capture_record_stream_reuse): ptr -> (stream, free markers). Guarded by pool_mu.
+    struct DeferredFree {
+      cudaStream_t stream;
+      std::vector<void*> markers;
+    };
+    std::map<uint64_t, DeferredFree> deferred;
+    std::atomic<int> n_deferred{0};
+    // Graph nodes known to precede the terminals of each capturing stream (by capture id).
+    std::map<unsigned long long, std::map<cudaStream_t, std::unordered_set<void*>>> visited;
     // History (guarded by trace_mu; traced operations are serialised by it, so the events
     // the core records are attributed to the call that made them).
     std::mutex trace_mu;
     std::deque<TraceRec> trace;
     std::deque<AnnotationRec> annotations;
     std::unordered_map<uint64_t, ContextPtr> contexts;
+    // Debug mode: set with the core when the mode is on (before `core` is published).
+    std::unique_ptr<DebugDevice> debug;
   };
 
   DeviceState& state(int device);
@@ -256,6 +290,10 @@ class Impl {
   // The device whose allocator owns `ptr`, or -1.
   int owner_of(const void* ptr);
   void* malloc_on(int device, size_t nbytes, cudaStream_t stream);
+  // Graph-capture reuse of record_stream'ed blocks (see DeviceState::deferred).
+  bool defer_free_in_capture(DeviceState& ds, const ffi::Gmlake& c, uint64_t ptr);
+  void free_safe_blocks_in_capture(DeviceState& ds, const ffi::Gmlake& c, cudaStream_t stream);
+  void flush_deferred_frees(DeviceState& ds, const ffi::Gmlake& c);
   [[noreturn]] void raise_oom(int device, const ffi::AllocOutcome& r, size_t nbytes, cudaStream_t stream);
   void refresh_tracing();
   ContextPtr gather(When needed);
@@ -263,6 +301,11 @@ class Impl {
   void drain(DeviceState& ds, const ContextPtr& alloc_ctx, const ContextPtr& free_ctx);
   void push_trace(DeviceState& ds, TraceRec rec);
   void log_once(const char* key, const std::string& msg) noexcept;
+  // Debug mode: checks completed canary copies of a device and files their reports.
+  void debug_poll(DeviceState& ds, bool wait) noexcept;
+
+  std::mutex debug_mu_;
+  std::vector<DebugReport> debug_reports_;
 
   const std::string conf_;
   std::atomic<int> device_count_{0};

@@ -73,6 +73,8 @@ constexpr const char* kAbiProbeOld = "_ZN3c106DeviceC1ERKSs";
 #if GMLAKE_TORCH_VERSION_NUM == 211
 // =============================================================================================
 
+#include <c10/cuda/CUDAAllocatorConfig.h>
+
 namespace gmlake {
 namespace compat {
 
@@ -105,8 +107,10 @@ inline cca::SnapshotInfo to_torch(const SnapshotData& d, c10::ApproximateClockTo
     seg.active_size = static_cast<size_t>(s.active_size);
     seg.stream = s.stream;
     seg.is_large = s.is_large;
-    // gmlake's segments are runs of mapped pages, not PyTorch's expandable segments.
-    seg.is_expandable = false;
+    // A gmlake segment is a run of mapped pages in a reserved range that grows and shrinks
+    // page by page: what PyTorch's expandable segments are, and PyTorch's consistency rules
+    // for those hold (segment counts and inactive_split are not per cudaMalloc).
+    seg.is_expandable = true;
     seg.owner_private_pool_id = c10::MempoolId_t{s.pool.first, s.pool.second};
     for (const auto& b : s.blocks) {
       cda::BlockInfo bi;
@@ -138,17 +142,28 @@ inline cca::SnapshotInfo to_torch(const SnapshotData& d, c10::ApproximateClockTo
     ae.time_.t_ = to_us(a.time);
     info.external_annotations.push_back(std::move(ae));
   }
+  // PyTorch's settings as torch parsed them (PYTORCH_CUDA_ALLOC_CONF, _set_allocator_settings),
+  // which gmlake accepts; docs/pytorch.md says which it honours. The settings string is
+  // gmlake's effective configuration.
   auto& cm = info.config_metadata;
-  cm.garbage_collection_threshold = 0.0;
-  // gmlake splits any block: no size is exempt from splitting (PyTorch's default, SIZE_MAX).
-  cm.max_split_size = std::numeric_limits<size_t>::max();
-  cm.pinned_num_register_threads = 1;
-  cm.expandable_segments = false;
-  cm.release_lock_on_malloc = false;
-  cm.pinned_use_host_register = false;
-  cm.graph_capture_record_stream_reuse = false;
+  using AC = c10::CachingAllocator::AcceleratorAllocatorConfig;
+  using CC = c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig;
+  cm.garbage_collection_threshold = AC::garbage_collection_threshold();
+  cm.max_split_size = AC::max_split_size();
+  cm.pinned_num_register_threads = CC::pinned_num_register_threads();
+  cm.expandable_segments = false; // gmlake's segments are not PyTorch's expandable segments
+  cm.release_lock_on_malloc = CC::release_lock_on_cudamalloc();
+  cm.pinned_use_host_register = CC::pinned_use_cuda_host_register();
+  cm.graph_capture_record_stream_reuse = CC::graph_capture_record_stream_reuse();
   cm.last_allocator_settings = d.settings;
   cm.roundup_power2_divisions.clear();
+  {
+    // PyTorch reports one entry per interval, as the configuration holds them.
+    const auto& divs = AC::roundup_power2_divisions();
+    for (size_t v : divs) {
+      cm.roundup_power2_divisions.push_back(v);
+    }
+  }
   return info;
 }
 
@@ -222,8 +237,8 @@ class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceI
         !use_on_oom,
         "gmlake: memory pools used on out-of-memory (MemPool(use_on_oom=True)) are not supported yet");
   }
-  void setNoSplit(c10::DeviceIndex /*device*/, c10::MempoolId_t /*mempool_id*/) override {
-    TORCH_CHECK(false, "gmlake: memory pools without splitting (MemPool(no_split=True)) are not supported yet");
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
+    impl_.set_no_split(device, PoolId{mempool_id.first, mempool_id.second});
   }
   c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
     auto [offset, handle] = impl_.share_ipc(ptr);

@@ -55,10 +55,26 @@ WORKDIR /
 RUN python3 - <<'PY'
 import ctypes, os, subprocess, torch
 lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10_cuda.so")
-f = ctypes.CDLL(lib).gmlake_c10_backend
+c10_cuda = ctypes.CDLL(lib)
+f = c10_cuda.gmlake_c10_backend
 f.restype = ctypes.c_char_p
 backend = f().decode()
+assert hasattr(c10_cuda, "gmlake_c10_stats_json")   # exported, as build-patched-c10.sh checks
 print("torch", torch.__version__, "CUDA allocator:", backend)
 assert backend == "gmlake", backend
 assert "libcuda.so" not in subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
 PY
+
+# The in-tree route's GPU test (scripts/c10-only/gpu_test.cpp, as scripts/build-patched-c10.sh
+# builds it), linked against the installed torch's libc10 / libc10_cuda:
+#   docker run --gpus all --rm gmlake/pytorch:1.13.1 /opt/gmlake-gpu-test/gpu_test
+#   docker run --gpus all --rm -e vmmDefragment=0 gmlake/pytorch:1.13.1 /opt/gmlake-gpu-test/gpu_test
+RUN TORCH_DIR="$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))')" \
+ && ABI="$(python3 -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')" \
+ && mkdir -p /opt/gmlake-gpu-test \
+ && g++ -std=c++17 -O2 -D_GLIBCXX_USE_CXX11_ABI="${ABI}" -DGMLAKE_TEST_TORCH_NUM=113 \
+      -DGMLAKE_TEST_TORCH_VERSION='"1.13.1"' -I"${TORCH_DIR}/include" -I/usr/local/cuda/include \
+      /opt/gmlake/scripts/c10-only/gpu_test.cpp -o /opt/gmlake-gpu-test/gpu_test \
+      -L"${TORCH_DIR}/lib" -lc10_cuda -lc10 -L/usr/local/cuda/lib64 -lcudart \
+      -Wl,-rpath,"${TORCH_DIR}/lib:/usr/local/cuda/lib64" \
+ && (/opt/gmlake-gpu-test/gpu_test || test $? = 2)

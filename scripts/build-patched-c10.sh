@@ -10,6 +10,13 @@
 #     and PyTorch's run-time settings parse accepts backend:gmlake);
 #   - a C++ program linked against it (scripts/c10-only/probe.cpp) calls into the allocator
 #     through PyTorch's API: init, statistics, emptyCache, an allocation that raises (no GPU).
+# Then it builds the GPU test (scripts/c10-only/gpu_test.cpp) and stages what a GPU machine
+# needs to run it, nothing else, in GMLAKE_ARTIFACTS/c10-gpu/VERSION/: libc10.so,
+# libc10_cuda.so, the libcudart.so.N the build used, libraries of the system that libc10 needs
+# (libcpuinfo.so.0 on 2.x) and gpu_test, stripped of debug information, RPATH $ORIGIN; run it
+# there with scripts/c10-gpu-test.sh (docs/patched-builds.md, "On a GPU"). Here, without a GPU,
+# the staged gpu_test must start and stop with its "no usable CUDA device" message, and pass
+# every check over a fake CUDA runtime and driver on host memory (scripts/c10-only/fake_cuda.c).
 #
 #   scripts/build-patched-c10.sh VERSION SRC_DIR
 #     VERSION: 1.13.1, 2.0.1, 2.1.2 or 2.6.0 (patches/pytorch-VERSION.patch)
@@ -17,15 +24,17 @@
 #
 # Environment: BUILD_DIR (build/c10-VERSION), JOBS (nproc), GMLAKE_ARTIFACTS (.artifacts),
 # GMLAKE_CARGO_TARGET_DIR (build/c10-cargo, shared by the versions), CUDA_SERIES (the one the
-# version's wheels use). Needs cmake, ninja (or make), g++, python3, cargo, patch, binutils;
-# on Debian also libfmt-dev, nlohmann-json3-dev and libcpuinfo-dev for 2.x (installed with
-# apt-get when missing). Writes a summary to BUILD_DIR/summary.txt.
+# version's wheels use), NO_STAGE=1 (no gpu_test, no staging), NO_DRY_RUN=1 (no dry run of
+# gpu_test over scripts/c10-only/fake_cuda.c, about a minute). Needs cmake, ninja (or make),
+# g++, python3, cargo, patch, binutils, patchelf; on Debian also libfmt-dev, and
+# nlohmann-json3-dev and libcpuinfo-dev for 2.x (installed with apt-get when missing). Writes a
+# summary to BUILD_DIR/summary.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 if [ $# -ne 2 ]; then
-  sed -n '2,22p' "$0"; exit 2
+  sed -n '2,31p' "$0"; exit 2
 fi
 VERSION="$1"
 SRC="$(cd "$2" && pwd)"
@@ -54,8 +63,10 @@ need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v ninja >/dev/null || need_apt+=(ninja-build)
 command -v patch >/dev/null || need_apt+=(patch)
+command -v patchelf >/dev/null || need_apt+=(patchelf)
+# c10 includes fmt (header-only) on every version, 1.13 included.
+[ -f /usr/include/fmt/format.h ] || need_apt+=(libfmt-dev)
 if [ "${MINOR%%.*}" = 2 ]; then
-  [ -f /usr/include/fmt/format.h ] || need_apt+=(libfmt-dev)
   [ -f /usr/include/nlohmann/json.hpp ] || need_apt+=(nlohmann-json3-dev)
   [ -f /usr/include/cpuinfo.h ] || need_apt+=(libcpuinfo-dev)
 fi
@@ -116,9 +127,10 @@ note "build: c10 + c10_cuda in $((T1 - T0)) s ($ntu C++ files compiled this run,
 
 # ---- checks
 exports=$(nm -D --defined-only "$LIB" | c++filt)
-backend=$(echo "$exports" | grep -E 'CUDACachingAllocator::Gmlake::|gmlake_c10_backend' | awk '{$1=""; $2=""; print}' | sed 's/^ *//' | sort)
+backend=$(echo "$exports" | grep -E 'CUDACachingAllocator::Gmlake::|gmlake_c10_backend|gmlake_c10_stats_json' | awk '{$1=""; $2=""; print}' | sed 's/^ *//' | sort)
 [ -n "$backend" ] || fail "libc10_cuda.so exports no gmlake backend"
 echo "$backend" | grep -q '^gmlake_c10_backend$' || fail "gmlake_c10_backend is not exported"
+echo "$backend" | grep -q '^gmlake_c10_stats_json$' || fail "gmlake_c10_stats_json is not exported"
 note "exports: $(echo "$backend" | tr '\n' ';' | sed 's/;$//; s/;/; /g')"
 leaked=$( (echo "$exports" | grep -Ei 'rust|cxxbridge|gmlake_core|gmlake_cuda|gmlake_ffi|cudarc'; echo "$exports" | grep -E 'gmlake::') || true)
 [ -z "$leaked" ] || { echo "$leaked" | head; fail "Rust / gmlake-internal symbols are exported"; }
@@ -175,11 +187,122 @@ run_probe() { # want-backend env-and-args...
   case "$out" in *"raised c10::Error"*|*"(a GPU?)"*) ;; *) fail "probe: unexpected: $out" ;; esac
   echo "$out"
 }
-note "probe (C++ through PyTorch's API): $(run_probe gmlake "$PROBE")"
-note "probe, vmmDefragment=0: $(run_probe native vmmDefragment=0 "$PROBE")"
+# (Assignments first: a failure inside $(...) then stops the script under set -e.)
+r=$(run_probe gmlake "$PROBE"); note "probe (C++ through PyTorch's API): $r"
+r=$(run_probe native vmmDefragment=0 "$PROBE"); note "probe, vmmDefragment=0: $r"
 if [ "${MINOR%%.*}" = 2 ]; then
-  note "probe, backend:gmlake: $(run_probe gmlake PYTORCH_CUDA_ALLOC_CONF=backend:gmlake "$PROBE" backend:gmlake)"
-  note "probe, default + settings: $(run_probe gmlake "$PROBE" expandable_segments:False,backend:gmlake)"
+  r=$(run_probe gmlake PYTORCH_CUDA_ALLOC_CONF=backend:gmlake "$PROBE" backend:gmlake); note "probe, backend:gmlake: $r"
+  r=$(run_probe gmlake "$PROBE" expandable_segments:False,backend:gmlake); note "probe, default + settings: $r"
+fi
+
+# ---- the GPU test and what a GPU machine needs to run it
+if [ "${NO_STAGE:-0}" != 1 ]; then
+  STAGE="$ART/c10-gpu/$VERSION"
+  vnum=$(echo "$VERSION" | awk -F. '{print $1 * 100 + $2}')
+  # DT_RPATH (not RUNPATH): it applies to the libraries' own dependencies as well.
+  # shellcheck disable=SC2016
+  g++ -std=c++17 -O2 -Wall -Wextra -Wno-unused-parameter -Wno-deprecated-declarations \
+    -DGMLAKE_TEST_TORCH_NUM="$vnum" -DGMLAKE_TEST_TORCH_VERSION="\"$VERSION\"" \
+    -I"$SRC" -I"$BUILD_DIR" "${cinc[@]/#/-I}" scripts/c10-only/gpu_test.cpp -o "$BUILD_DIR/gpu_test" \
+    -L"$BUILD_DIR/lib" -lc10_cuda -lc10 "$CUDART" -Wl,--disable-new-dtags -Wl,-rpath,'$ORIGIN' \
+    > "$BUILD_DIR.gpu_test.log" 2>&1 || { cat "$BUILD_DIR.gpu_test.log"; fail "gpu_test.cpp does not build"; }
+  rm -rf "$STAGE.tmp" && mkdir -p "$STAGE.tmp"
+  cp "$BUILD_DIR/lib/libc10.so" "$BUILD_DIR/lib/libc10_cuda.so" "$CUDART" "$BUILD_DIR/gpu_test" "$STAGE.tmp/"
+  # Libraries libc10 needs beyond the C/C++ runtime (Debian's libcpuinfo on 2.x).
+  extra=()
+  for n in $(readelf -d "$BUILD_DIR/lib/libc10.so" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p'); do
+    case "$n" in libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|libstdc++.so*|libgcc_s.so*|ld-linux*|libc10*|libcudart*) continue ;; esac
+    path=$(ldd "$BUILD_DIR/lib/libc10.so" | awk -v n="$n" '$1 == n {print $3}')
+    [ -f "$path" ] || fail "libc10.so needs $n, not found"
+    cp -L "$path" "$STAGE.tmp/$n"
+    extra+=("$n")
+  done
+  for f in "$STAGE.tmp"/*; do
+    chmod u+w "$f"
+    strip --strip-debug "$f"
+  done
+  for f in "$STAGE.tmp"/*.so*; do
+    # shellcheck disable=SC2016
+    patchelf --set-rpath '$ORIGIN' "$f"
+  done
+  {
+    echo "patched torch $VERSION: c10 + c10_cuda built by scripts/build-patched-c10.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "gmlake commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$ROOT" diff --quiet HEAD -- cpp cmake rust patches scripts/c10-only 2>/dev/null || echo ' (+ uncommitted changes)')"
+    echo "source: $SRC; CUDA runtime: PyPI nvidia-cuda-runtime-$CU $CUDA_SERIES.* ($(basename "$CUDART"))"
+    echo "compiler: $(g++ --version | head -1); built against $(ldd --version | head -1)"
+    echo "run: scripts/c10-gpu-test.sh $(dirname "$STAGE")   (or ./gpu_test in this folder)"
+    echo "needs from the system: a CUDA driver (libcuda.so.1, loaded at run time), and:"
+    for f in "$STAGE.tmp"/*; do
+      printf '  %-18s %s %s\n' "$(basename "$f")" \
+        "$(objdump -T "$f" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)" \
+        "$(objdump -T "$f" | grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)"
+    done
+    echo "sha256:"
+    (cd "$STAGE.tmp" && sha256sum -- * | sed 's/^/  /')
+  } > "$BUILD_DIR/BUILD-INFO.txt"
+  mv "$BUILD_DIR/BUILD-INFO.txt" "$STAGE.tmp/"
+  rm -rf "$STAGE" && mv "$STAGE.tmp" "$STAGE"
+  # The runner beside the versions: the folder alone is what a GPU machine needs.
+  cp scripts/c10-gpu-test.sh "$(dirname "$STAGE")/c10-gpu-test.sh"
+  glibc=$(for f in "$STAGE"/*.so* "$STAGE/gpu_test"; do objdump -T "$f"; done | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
+  glibcxx=$(for f in "$STAGE"/*.so* "$STAGE/gpu_test"; do objdump -T "$f"; done | grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)
+  staged=""
+  for f in "$STAGE"/*; do [ "$(basename "$f")" = BUILD-INFO.txt ] || staged+="$(basename "$f") "; done
+  note "gpu_test: built; staged in $STAGE: $staged($(du -sh "$STAGE" | cut -f1); ${extra[*]:-no extra system libraries}); needs $glibc, $glibcxx, RPATH \$ORIGIN"
+  # Self-contained: every library resolves from the folder or the C/C++ runtime of the system.
+  deps=$(env -u LD_LIBRARY_PATH ldd "$STAGE/gpu_test")
+  if echo "$deps" | grep -q 'not found'; then echo "$deps"; fail "staged gpu_test: unresolved libraries"; fi
+  outside=$(echo "$deps" | awk '$2 == "=>" {print $1 " " $3}' | grep -vE "^(libc|libm|libdl|librt|libpthread|libstdc\+\+|libgcc_s)\.so" | grep -v " $STAGE/" || true)
+  [ -z "$outside" ] || { echo "$outside"; fail "staged gpu_test loads libraries from outside its folder"; }
+  # Without a GPU it must start and stop with a clear message (exit 2), naming the backend.
+  gpu_run() { # want-backend env...
+    local want="$1"; shift
+    local out rc=0
+    out=$(cd / && env -u LD_LIBRARY_PATH -u vmmDefragment -u PYTORCH_CUDA_ALLOC_CONF "$@" "$STAGE/gpu_test" 2>&1) || rc=$?
+    if [ "$rc" = 2 ] && echo "$out" | grep -q "^FAIL: no usable CUDA device.*backend in the library: $want)"; then
+      echo "$out" | grep '^FAIL: no usable' | sed 's/^FAIL: //'
+    elif [ "$rc" = 0 ]; then
+      echo "a GPU is here: gpu_test passed ($(echo "$out" | grep '^RESULT'))"
+    else
+      echo "$out" | tail -20; fail "staged gpu_test (${*:-default}): exit $rc"
+    fi
+  }
+  # (Assignments first: a failure inside $(...) then stops the script under set -e.)
+  r=$(gpu_run gmlake); note "staged gpu_test, no settings: $r"
+  r=$(gpu_run native vmmDefragment=0); note "staged gpu_test, vmmDefragment=0: $r"
+  if [ "${MINOR%%.*}" = 2 ]; then
+    r=$(gpu_run native PYTORCH_CUDA_ALLOC_CONF=backend:native); note "staged gpu_test, backend:native: $r"
+  fi
+
+  # Dry run on the CPU: the staged gpu_test, libc10 and libc10_cuda over a fake CUDA runtime and
+  # driver (scripts/c10-only/fake_cuda.c: host memory, memfd-backed virtual memory), every stage
+  # and check, per backend setting. Catches what needs no GPU to go wrong (the API calls, the
+  # test's own logic, gmlake's stitch through real page aliasing); says nothing of CUDA itself.
+  if [ "${NO_DRY_RUN:-0}" != 1 ]; then
+    DRY="$BUILD_DIR/dry"
+    rm -rf "$DRY" && mkdir -p "$DRY"
+    for f in "$STAGE"/*; do [ "$(basename "$f")" = BUILD-INFO.txt ] || cp "$f" "$DRY/"; done
+    chmod -R u+w "$DRY"
+    so=$(basename "$CUDART")
+    echo "$so { global: *; };" > "$BUILD_DIR/fake_cuda.map"
+    gcc -shared -fPIC -O1 -w "${cinc[@]/#/-I}" scripts/c10-only/fake_cuda.c -o "$DRY/$so" \
+      -Wl,-soname,"$so" -Wl,--version-script="$BUILD_DIR/fake_cuda.map" -lpthread \
+      || fail "scripts/c10-only/fake_cuda.c does not build"
+    ln -sf "$so" "$DRY/libcuda.so.1"
+    dry_run() { # label want env...
+      local label="$1" want="$2"; shift 2
+      local log="$BUILD_DIR/dry-${label//[:=]/-}.log" rc=0
+      (cd "$DRY" && env -u LD_LIBRARY_PATH -u vmmDefragment -u PYTORCH_CUDA_ALLOC_CONF "$@" \
+        timeout 900 ./gpu_test --expect "$want") > "$log" 2>&1 || rc=$?
+      [ "$rc" = 0 ] || { grep -E 'FAIL|terminate|what\(\)' "$log" | head -20; tail -5 "$log"; fail "dry run ($label): exit $rc (log: $log)"; }
+      grep '^RESULT' "$log" | sed 's/^RESULT //'
+    }
+    r=$(dry_run default gmlake); note "dry run (fake CUDA on the CPU), default: $r"
+    r=$(dry_run vmmDefragment=0 native vmmDefragment=0); note "dry run, vmmDefragment=0: $r"
+    if [ "${MINOR%%.*}" = 2 ]; then
+      r=$(dry_run backend:native native PYTORCH_CUDA_ALLOC_CONF=backend:native); note "dry run, backend:native: $r"
+    fi
+  fi
 fi
 
 {

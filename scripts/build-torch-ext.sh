@@ -122,8 +122,31 @@ exported=$(nm -D --defined-only "$LIB" | awk '{print $3}' | sort | tr '\n' ' ')
 for sym in gmlake_install gmlake_install_checked gmlake_is_installed gmlake_last_error gmlake_stats_json; do
   case " $exported " in *" $sym "*) ;; *) echo "build-torch-ext: $sym is not exported" >&2; exit 1 ;; esac
 done
-if nm -D --defined-only "$LIB" | awk '{print $3}' | grep -qv '^gmlake_'; then
+# (and torch's CUDAAllocatorConfig instance, a GNU unique symbol bound to libc10_cuda's:
+# see cpp/gmlake_torch.map)
+if nm -D --defined-only "$LIB" | awk '{print $3}' | grep -v '^gmlake_' \
+    | grep -qv 'CUDAAllocatorConfig8instanceEvE10s_instance$'; then
   echo "build-torch-ext: unexpected exported symbols: $exported" >&2; exit 1
+fi
+# gmlake reads PyTorch's CUDAAllocatorConfig through libc10_cuda's instance (a GNU unique
+# symbol, cpp/gmlake_torch.map), so settings changed at run time are seen: check the binding.
+if command -v python3 >/dev/null 2>&1; then
+  LD_LIBRARY_PATH="$TORCH_DIR/lib:$(dirname "$CUDART")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python3 - "$LIB" <<'EOF'
+import ctypes, os, sys
+mode = os.RTLD_LAZY | os.RTLD_LOCAL
+ctypes.CDLL("libc10.so", mode=mode)
+c10_cuda = ctypes.CDLL("libc10_cuda.so", mode=mode)
+ours = ctypes.CDLL(sys.argv[1], mode=mode)
+name = "_ZZN3c104cuda20CUDACachingAllocator19CUDAAllocatorConfig8instanceEvE10s_instance"
+try:
+    theirs = ctypes.addressof(ctypes.c_void_p.in_dll(c10_cuda, name))
+except ValueError:
+    sys.exit(0)  # this torch keeps the instance elsewhere: nothing to bind
+mine = ctypes.addressof(ctypes.c_void_p.in_dll(ours, name))
+if mine != theirs:
+    sys.exit("build-torch-ext: libgmlake_torch.so does not share libc10_cuda's CUDAAllocatorConfig instance")
+print("[build-torch-ext] shares libc10_cuda's CUDAAllocatorConfig instance")
+EOF
 fi
 if readelf -d "$LIB" | grep -q 'libcuda\.so'; then
   echo "build-torch-ext: libgmlake_torch.so must not link libcuda (it is loaded at run time)" >&2; exit 1

@@ -95,13 +95,19 @@ class ForwardingAllocator : public c10::cuda::CUDACachingAllocator::CUDAAllocato
   DeviceStats getDeviceStats(Dev device) override {
     bool present = false;
     ffi::Stats s = impl_.stats(device, &present);
+    DeviceStats t;
     if (!present) {
-      DeviceStats empty;
       // gmlake splits any block (PyTorch reports "unlimited" as the largest int64).
-      empty.max_split_size = std::numeric_limits<int64_t>::max();
-      return empty;
+      t.max_split_size = std::numeric_limits<int64_t>::max();
+    } else {
+      t = device_stats_to<DeviceStats>(s);
     }
-    return device_stats_to<DeviceStats>(s);
+#if GMLAKE_TORCH_VERSION_NUM >= 211
+    // As PyTorch's allocator: the setting torch holds (max_split_size_mb; SIZE_MAX, read as
+    // -1, when unset). gmlake does not apply it (docs/pytorch.md).
+    t.max_split_size = static_cast<int64_t>(c10::CachingAllocator::AcceleratorAllocatorConfig::max_split_size());
+#endif
+    return t;
   }
   void resetAccumulatedStats(Dev device) override {
     impl_.reset_accumulated_stats(device);

@@ -14,6 +14,7 @@
 // processes are opened by PyTorch's code (Native::getIpcDevPtr); exporting gmlake memory to
 // other processes is not supported.
 #include <cstdlib>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <string>
@@ -182,8 +183,9 @@ void cacheInfo(int dev_id, size_t* cachedAndFree, size_t* largestBlock) {
     Native::cacheInfo(dev_id, cachedAndFree, largestBlock);
     return;
   }
-  // PyTorch's contract: both are maxima to update, not to overwrite.
-  size_t largest = 0;
+  // PyTorch's contract: both are maxima to update, not to overwrite; a zero *largestBlock
+  // asks for an initial guess from the device's free memory (as PyTorch's allocator does).
+  size_t largest = largestBlock != nullptr ? *largestBlock : 0;
   gm().cache_info(dev_id, &largest);
   if (largestBlock != nullptr && largest > *largestBlock) {
     *largestBlock = largest;
@@ -343,4 +345,41 @@ C10_CUDA_API bool enabled() {
 // The name of the CUDA allocator in use ("gmlake" or "native"); see c10_backend.cpp.
 extern "C" C10_CUDA_API const char* gmlake_c10_backend(void) {
   return use_gmlake() ? "gmlake" : "native";
+}
+
+namespace {
+
+// {"error": "<what>"} with the message's quotes, backslashes and control characters escaped.
+std::string error_json(const char* what) {
+  std::string out = "{\"error\": \"";
+  for (const char* c = what; c != nullptr && *c != '\0'; ++c) {
+    if (*c == '"' || *c == '\\') {
+      out += '\\';
+      out += *c;
+    } else if (static_cast<unsigned char>(*c) < 0x20) {
+      out += ' ';
+    } else {
+      out += *c;
+    }
+  }
+  return out + "\"}";
+}
+
+} // namespace
+
+// gmlake's statistics of `device` as a flat JSON object (torch.cuda.memory_stats()'s keys plus
+// "gmlake.stitches", "gmlake.pages_stitched", ...); "{}" when gmlake is not in use or has not
+// created the device's allocator yet; {"error": "..."} on an error. See c10_backend.cpp.
+extern "C" C10_CUDA_API const char* gmlake_c10_stats_json(int device) {
+  thread_local std::string out;
+  try {
+    out = use_gmlake() && gm().initialized() ? gm().stats_json(device) : std::string("{}");
+  } catch (const c10::Error& e) {
+    out = error_json(e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    out = error_json(e.what());
+  } catch (...) {
+    out = error_json("unknown exception");
+  }
+  return out.c_str();
 }

@@ -24,7 +24,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 __all__ = [
     "enable",
@@ -40,6 +40,8 @@ __all__ = [
     "serve_metrics",
     "raw_stats",
     "device_count",
+    "debug_report",
+    "debug_check",
 ]
 
 _BASE_VERSION = "0.1.0"
@@ -170,6 +172,11 @@ def _load() -> ctypes.CDLL:
             f.restype = ctypes.c_longlong
         lib.gmlake_settings.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         lib.gmlake_settings.restype = ctypes.c_longlong
+        if hasattr(lib, "gmlake_debug_check"):
+            lib.gmlake_debug_check.argtypes = [ctypes.c_int]
+            lib.gmlake_debug_check.restype = ctypes.c_longlong
+            lib.gmlake_debug_reports_json.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+            lib.gmlake_debug_reports_json.restype = ctypes.c_longlong
         _lib, _lib_path = lib, path
         return lib
 
@@ -197,7 +204,9 @@ def conf_string(conf: Optional[str] = None, **config: Any) -> str:
         if v is None:
             continue
         s = _format_value(v)
-        if "," in s or ":" in k or "," in k:
+        # A list value in PyTorch's syntax ([64:8,256:4,>:1]) keeps its commas in brackets.
+        listed = s.startswith("[") and s.endswith("]") and s.count("[") == 1 and s.count("]") == 1
+        if ("," in s and not listed) or ":" in k or "," in k:
             raise ValueError(f"gmlake: invalid configuration item {k}={s!r}")
         parts.append(f"{k}:{s}")
     return ",".join(p for p in parts if p)
@@ -232,6 +241,112 @@ def enable(conf: Optional[str] = None, **config: Any) -> None:
     rc = lib.gmlake_install_checked(text.encode(), torch.__version__.encode(), abi)
     if rc != 0:
         raise RuntimeError(_last_error(lib))
+    _debug_setup()
+
+
+# History actions left out while the debug mode records stacks for its reports only.
+_DEBUG_SKIP = [
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+]
+
+
+def _debug_modes() -> List[str]:
+    """The memory debugging modes on (``debug:`` of the settings), e.g. ``["guard", "canary"]``."""
+    for item in settings().split(","):
+        k, _, v = item.partition(":")
+        if k == "debug":
+            return [m for m in v.split("+") if m and m != "off"]
+    return []
+
+
+def _debug_setup() -> None:
+    """Debug mode with canaries: record the Python stack of each allocation (through torch's
+    memory history, actions skipped so that it keeps only gmlake's reports), so that a report
+    names the allocation's frames. Deferred to CUDA's initialization (recording history
+    initializes CUDA). ``GMLAKE_DEBUG_STACKS=0`` turns it off."""
+    try:
+        if "canary" not in _debug_modes() or os.environ.get("GMLAKE_DEBUG_STACKS", "1") == "0":
+            return
+        import torch.cuda
+
+        torch.cuda._lazy_call(_debug_record_stacks)
+    except Exception as e:  # the reports lose their frames, nothing else
+        import warnings
+
+        warnings.warn(f"gmlake: debug mode cannot record allocation stacks: {e}")
+
+
+def _debug_record_stacks() -> None:
+    try:
+        import torch
+
+        rec = torch.cuda.memory._record_memory_history
+        try:
+            rec(
+                enabled="all",
+                context="alloc",
+                stacks="python",
+                max_entries=10000,
+                skip_actions=_DEBUG_SKIP,
+            )
+        except Exception:  # torch without skip_actions (or other names): the whole history
+            rec(enabled="all", context="alloc", stacks="python", max_entries=100000)
+    except Exception as e:  # the reports lose their frames, nothing else
+        import warnings
+
+        warnings.warn(f"gmlake: debug mode cannot record allocation stacks: {e}")
+
+
+def debug_check(wait: bool = True) -> int:
+    """Memory debugging mode: checks the canaries of the blocks freed so far (with ``wait``,
+    after waiting for their stream-ordered copies; otherwise only those already done) and
+    returns the number of reports so far. Raises ``RuntimeError`` if gmlake is not enabled."""
+    if not is_enabled():
+        raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")
+    n = _lib.gmlake_debug_check(1 if wait else 0)
+    if n < 0:
+        raise RuntimeError(_last_error(_lib))
+    return int(n)
+
+
+def debug_report(wait: bool = True) -> List[Dict[str, Any]]:
+    """Memory debugging mode (``GMLAKE_CONF=debug:...``, see docs/pytorch.md "Memory
+    debugging"): the damaged canaries found so far, after :func:`debug_check`, as dicts:
+    ``kind`` ("canary"), ``device``, ``address``, ``requested`` (bytes asked for), ``size``
+    (the block's bytes), ``stream``, ``first_bad`` (offset past the end of the request of the
+    first damaged byte), ``bad_bytes``, ``canary_bytes``, ``message``, and ``frames``: the
+    Python stack of the allocation (file, line, function dicts, innermost first; empty when no
+    stack was recorded)."""
+    debug_check(wait)
+    reports = json.loads(_json_call(_lib.gmlake_debug_reports_json))
+    if not reports:
+        return reports
+    traces: List[Any] = []
+    try:
+        import torch
+
+        traces = torch.cuda.memory._snapshot().get("device_traces", [])
+    except Exception:
+        pass
+    for r in reports:
+        r["frames"] = []
+        dev = r["device"]
+        if 0 <= dev < len(traces):
+            for t in reversed(traces[dev]):
+                if (
+                    t.get("action") == "snapshot"
+                    and t.get("addr") == r["address"]
+                    and t.get("size") == r["requested"]
+                ):
+                    r["frames"] = list(t.get("frames", []))
+                    break
+    return reports
 
 
 def is_enabled() -> bool:
@@ -272,6 +387,9 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.stitches``, ``gmlake.pages_stitched``, ``gmlake.cached_bytes``,
     ``gmlake.retired_bytes``, ``gmlake.pending_frees``, ``gmlake.unknown_frees``,
     ``gmlake.ipc_shares``, ``gmlake.ipc_imports``, ``gmlake.ipc_imported_bytes``,
+    the memory debugging mode's ``gmlake.debug_guarded``, ``gmlake.debug_guard_bytes``,
+    ``gmlake.debug_quarantine_blocks``, ``gmlake.debug_quarantine_bytes``,
+    ``gmlake.debug_canary_errors``, ``gmlake.debug_pages`` (0 when it is off),
     ``gmlake.initialized`` (0 until the device's first allocation, all counters then zero),
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>``,
     ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``. (No device free memory: reading it can

@@ -31,6 +31,7 @@ Metrics, each labelled ``device`` (the CUDA ordinal); ``driver_calls`` also ``ki
 ``gmlake_driver_calls_total``              CUDA driver calls, by ``kind`` (map, unmap, ...)
 ``gmlake_ooms_total``                      out-of-memory errors raised
 ``gmlake_alloc_retries_total``             allocations retried after freeing the cache
+``gmlake_debug_canary_errors_total``       damaged canaries found (memory debugging mode)
 =========================================  ==================================================
 """
 
@@ -64,6 +65,7 @@ _COUNTERS = [
     ("stitch_reuses", "Stitched ranges reused from kept mappings.", "gmlake.stitch_reuses"),
     ("ooms", "Out-of-memory errors raised.", "num_ooms"),
     ("alloc_retries", "Allocations retried after releasing cached memory.", "num_alloc_retries"),
+    ("debug_canary_errors", "Damaged canaries found (memory debugging mode; 0 when off).", "gmlake.debug_canary_errors"),
 ]
 _DRIVER_PREFIX = "gmlake.driver_calls."
 

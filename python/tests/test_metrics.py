@@ -78,6 +78,7 @@ def test_a_scrape_reports_every_metric_per_device(server):
     assert v(m, "gmlake_driver_calls_total", 0, kind="create_physical") == 192
     assert v(m, "gmlake_ooms_total", 0) == 0
     assert v(m, "gmlake_alloc_retries_total", 0) == 0
+    assert v(m, "gmlake_debug_canary_errors_total", 0) == 0
     assert v(m, "gmlake_initialized", 0) == 1
     # A device without allocations yet: zeros, and ratios of 0 (no division by zero).
     assert v(m, "gmlake_reserved_bytes", 1) == 0

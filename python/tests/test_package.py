@@ -26,6 +26,11 @@ def test_conf_string_from_keywords():
     assert s == "a:1,fragLimit:16MiB,vmmDefragment:1,defragLevel:0,autoGC:inf"
     with pytest.raises(ValueError):
         gmlake.conf_string(fragLimit="1,2")
+    # PyTorch's list syntax keeps its commas inside brackets (the library splits around them).
+    s = gmlake.conf_string(roundup_power2_divisions="[64:8,256:4,>:1]", fragLimit="2MiB")
+    assert s == "roundup_power2_divisions:[64:8,256:4,>:1],fragLimit:2MiB"
+    with pytest.raises(ValueError):
+        gmlake.conf_string(roundup_power2_divisions="[64:8],[1:2]")
 
 
 def test_library_path_reports_where_it_looked(monkeypatch, tmp_path):

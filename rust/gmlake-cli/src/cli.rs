@@ -1,4 +1,4 @@
-//! The command line: `gmlake replay [OPTIONS] FILE...`.
+//! The command line: `gmlake replay [OPTIONS] FILE...`, `gmlake tier-replay [OPTIONS] FILE...`.
 
 use clap::{Args, Parser, Subcommand};
 use gmlake_core::{parse_size, Config};
@@ -25,6 +25,100 @@ pub enum Command {
     /// torch.cuda.memory._record_memory_history() (gzip-compressed pickles are accepted).
     /// Every device of every file is replayed separately. No GPU is needed.
     Replay(ReplayArgs),
+    /// Replay traces of host-tier operations (create / put / get / free / offload / advance,
+    /// one per line; see gmlake_core::tier_trace) through the tier on a simulated device, with
+    /// the LRU and the size/latency-aware eviction policies, and report the bytes moved each
+    /// way, evictions, prefetches, misses and the peak reserved memory with and without the
+    /// tier. No GPU is needed.
+    TierReplay(TierReplayArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TierReplayArgs {
+    /// Tier traces to replay ("-" reads standard input).
+    #[arg(required_unless_present = "fwd_bwd", value_name = "FILE")]
+    pub files: Vec<PathBuf>,
+
+    /// Replay the synthetic forward/backward job instead: LAYERS,STEPS (e.g. 24,3).
+    #[arg(long, value_name = "LAYERS,STEPS", value_parser = parse_pair)]
+    pub fwd_bwd: Option<(u64, u64)>,
+
+    /// The most device bytes the tier's tensors may hold (e.g. 20GiB). Default: no budget
+    /// (the device's capacity is the only limit).
+    #[arg(long, value_name = "SIZE", value_parser = parse_capacity)]
+    pub budget: Option<u64>,
+
+    /// Simulate a device of this size. Default: 1 TiB.
+    #[arg(long, value_name = "SIZE", value_parser = parse_capacity)]
+    pub capacity: Option<u64>,
+
+    /// Eviction policy: lru, aware, or both (default).
+    #[arg(long, default_value = "both", value_parser = ["lru", "aware", "both"])]
+    pub policy: String,
+
+    /// Host <-> device bandwidth in GB/s (default 25).
+    #[arg(long, value_name = "GB/S")]
+    pub bandwidth: Option<f64>,
+
+    /// Seconds per unit of the trace's logical clock (default 0.001).
+    #[arg(long, value_name = "SECONDS")]
+    pub tick: Option<f64>,
+
+    /// Keep up to SIZE of pinned host buffers for reuse (default 0).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
+    pub host_cache: Option<u64>,
+
+    /// Set an allocator option, as GMLAKE_CONF would (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE", value_parser = parse_setting)]
+    pub settings: Vec<Setting>,
+
+    /// Print one JSON object per (trace, policy) per line instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_pair(s: &str) -> Result<(u64, u64), String> {
+    let (a, b) = s
+        .split_once(',')
+        .ok_or_else(|| format!("expected LAYERS,STEPS, got {s:?}"))?;
+    let n = |x: &str| {
+        x.trim()
+            .parse::<u64>()
+            .map_err(|_| format!("expected LAYERS,STEPS, got {s:?}"))
+    };
+    Ok((n(a)?, n(b)?))
+}
+
+impl TierReplayArgs {
+    /// The default configuration with every `--set` applied in order.
+    pub fn config(&self) -> Result<Config, gmlake_core::Error> {
+        let mut config = Config::default();
+        for s in &self.settings {
+            config.set(&s.key, &s.value)?;
+        }
+        Ok(config)
+    }
+
+    pub fn tier_config(&self) -> gmlake_core::TierConfig {
+        let mut t = gmlake_core::TierConfig {
+            device_budget: self.budget,
+            ..gmlake_core::TierConfig::default()
+        };
+        if let Some(b) = self.bandwidth {
+            t.bandwidth = b * 1e9;
+        }
+        if let Some(s) = self.tick {
+            t.tick_seconds = s;
+        }
+        if let Some(c) = self.host_cache {
+            t.host_cache = c;
+        }
+        t
+    }
+
+    pub fn capacity_bytes(&self) -> u64 {
+        self.capacity.unwrap_or(DEFAULT_CAPACITY)
+    }
 }
 
 /// A default simulated device big enough that no real trace runs out of memory.
@@ -138,13 +232,43 @@ mod tests {
             "--strict",
         ])
         .unwrap();
-        let Command::Replay(r) = cli.command;
+        let Command::Replay(r) = cli.command else {
+            panic!("not replay")
+        };
         assert_eq!(r.files.len(), 2);
         assert!(r.json && r.strict && !r.trace_only);
         assert_eq!(r.capacity_bytes(), 40 << 30);
         let c = r.config().unwrap();
         assert_eq!(c.frag_limit, 64 << 20);
         assert_eq!(c.stitch_strategy, gmlake_core::StitchStrategy::Lru);
+    }
+
+    #[test]
+    fn parses_tier_replay_options() {
+        let cli = Cli::try_parse_from([
+            "gmlake",
+            "tier-replay",
+            "--fwd-bwd",
+            "24,3",
+            "--budget",
+            "56MiB",
+            "--policy",
+            "aware",
+            "--bandwidth",
+            "50",
+        ])
+        .unwrap();
+        let Command::TierReplay(r) = cli.command else {
+            panic!("not tier-replay")
+        };
+        assert_eq!(r.fwd_bwd, Some((24, 3)));
+        assert_eq!(r.policy, "aware");
+        let t = r.tier_config();
+        assert_eq!(t.device_budget, Some(56 << 20));
+        assert_eq!(t.bandwidth, 50e9);
+        assert!(Cli::try_parse_from(["gmlake", "tier-replay"]).is_err());
+        assert!(Cli::try_parse_from(["gmlake", "tier-replay", "a", "--policy", "mru"]).is_err());
+        assert!(Cli::try_parse_from(["gmlake", "tier-replay", "--fwd-bwd", "3"]).is_err());
     }
 
     #[test]
@@ -166,7 +290,9 @@ mod tests {
             "FILE is required"
         );
         let r = Cli::try_parse_from(["gmlake", "replay", "a"]).unwrap();
-        let Command::Replay(r) = r.command;
+        let Command::Replay(r) = r.command else {
+            panic!("not replay")
+        };
         assert_eq!(r.capacity_bytes(), DEFAULT_CAPACITY);
     }
 }

@@ -7,7 +7,8 @@
 //! - [`replay`]: driving the allocator over the events and measuring;
 //! - [`series`]: the downsampled memory-over-time series for charts;
 //! - [`report`]: the table and JSON output; [`plot`]: the SVG chart;
-//! - [`cli`], [`app`], [`progress`], [`clock`]: the command itself.
+//! - [`cli`], [`app`], [`progress`], [`clock`]: the command itself;
+//! - [`tier`]: `gmlake tier-replay`, traces of host-tier operations (issue 16).
 
 pub mod app;
 pub mod cli;
@@ -19,4 +20,5 @@ pub mod progress;
 pub mod replay;
 pub mod report;
 pub mod series;
+pub mod tier;
 pub mod trace;

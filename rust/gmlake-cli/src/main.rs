@@ -6,6 +6,7 @@ fn main() {
     let cli = Cli::parse();
     let code = match &cli.command {
         Command::Replay(args) => run_replay(args),
+        Command::TierReplay(args) => gmlake_cli::tier::run_tier_replay(args),
     };
     std::process::exit(code);
 }

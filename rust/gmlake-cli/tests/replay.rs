@@ -537,3 +537,40 @@ fn steady_state_driver_calls_are_reported_and_kept_mappings_cut_them() {
     // The utilization is kept.
     assert!(row["utilization"].as_f64().unwrap() >= 0.99);
 }
+
+/// The two-stream FSDP2 offload job (all-gathers on their own stream): the replay of its
+/// native trace predicts the reserved memory gmlake had on the GPU in a run of the same job
+/// (tests/traces/fsdp-offload.gpu.json, measured on an H100) within 2%, and the native
+/// reserved memory the trace's segment events add up to is what native reported there.
+#[test]
+fn replay_predicts_the_gpu_for_the_two_stream_fsdp_job() {
+    let gpu: Value = serde_json::from_str(
+        &std::fs::read_to_string(trace("fsdp-offload.gpu.json")).expect("GPU figures bundled"),
+    )
+    .expect("GPU figures are JSON");
+    let runs = &gpu["runs"];
+    let gpu_reserved = |a: &str| runs[a]["peak_reserved_bytes"].as_f64().unwrap();
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        trace("fsdp-offload.pickle.gz").as_os_str(),
+    ]));
+    assert_eq!(rows.len(), 1);
+    let row = &rows[0];
+    let ours = row["peak_reserved_bytes"].as_f64().unwrap();
+    let native = row["native_peak_reserved_bytes"].as_f64().unwrap();
+    let err = (ours - gpu_reserved("gmlake")).abs() / gpu_reserved("gmlake");
+    assert!(
+        err <= 0.02,
+        "replay reserved {ours} vs GPU {} ({:.2}% off)",
+        gpu_reserved("gmlake"),
+        err * 100.0
+    );
+    assert_eq!(
+        native,
+        gpu_reserved("native"),
+        "native segments in the trace"
+    );
+    let util = row["utilization"].as_f64().unwrap();
+    assert!(util >= 0.97, "utilization {util}");
+}

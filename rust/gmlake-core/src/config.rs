@@ -52,7 +52,8 @@ pub struct Config {
     pub page_size: u64,
     /// `small_size`: requests up to this many bytes go to the small pool (PyTorch: 1 MiB).
     pub small_size: u64,
-    /// `memory_fraction`: cap reserved memory at this fraction of the device (0 < f <= 1).
+    /// `memory_fraction`: cap reserved memory at this fraction of the device (0 <= f <= 1; 0
+    /// allows nothing, as PyTorch's).
     pub memory_fraction: Option<f64>,
     /// `limit`: cap reserved memory at this many bytes.
     pub limit_bytes: Option<u64>,
@@ -62,7 +63,18 @@ pub struct Config {
     /// with no driver call; beyond the bound the oldest are unmapped. 0 unmaps every old
     /// mapping once its stream is done with it.
     pub max_aliases: f64,
+    /// `roundup_power2_divisions` (PyTorch's key and syntax): requests are rounded up to the
+    /// next of N equal divisions of their power-of-two interval instead of to 512 bytes. One
+    /// entry per interval, [1 MiB, 2 MiB) first and [32 GiB, ...) last (sizes below 1 MiB use
+    /// the first); 0 or 1: no rounding beyond 512 bytes.
+    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// `debug`, `debug_quarantine`, `debug_guard_min`, `debug_canary_bytes`: the memory
+    /// debugging mode (off by default; see [`crate::debug`]).
+    pub debug: crate::debug::DebugConfig,
 }
+
+/// Intervals of `roundup_power2_divisions`, as PyTorch's (1 MiB to 64 GiB).
+pub const ROUNDUP_INTERVALS: usize = 16;
 
 impl Default for Config {
     fn default() -> Self {
@@ -78,6 +90,8 @@ impl Default for Config {
             memory_fraction: None,
             limit_bytes: None,
             max_aliases: 4.0,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            debug: crate::debug::DebugConfig::default(),
         }
     }
 }
@@ -95,6 +109,11 @@ pub const CONFIG_KEYS: &[&str] = &[
     "memory_fraction",
     "limit",
     "max_aliases",
+    "roundup_power2_divisions",
+    "debug",
+    "debug_quarantine",
+    "debug_guard_min",
+    "debug_canary_bytes",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -161,9 +180,130 @@ fn parse_bool(key: &str, value: &str) -> Result<bool> {
     }
 }
 
+/// PyTorch's `round_size`: at least 512 bytes; with `divisions` > 1 and a size above 512 x
+/// divisions, the next of `divisions` equal steps between the size's power of two and the
+/// next; else the next multiple of 512.
+pub fn round_size_with(size: u64, divisions: u64) -> u64 {
+    const MIN: u64 = 512;
+    if size < MIN {
+        return MIN;
+    }
+    if divisions > 1 && size > MIN * divisions {
+        if size.is_power_of_two() {
+            return size;
+        }
+        let floor = 1u64 << (63 - size.leading_zeros());
+        let step = floor >> (63 - divisions.leading_zeros());
+        if step == 0 {
+            return floor << 1;
+        }
+        let rounded = size & !(step - 1);
+        return if rounded == size {
+            size
+        } else {
+            rounded + step
+        };
+    }
+    size.div_ceil(MIN) * MIN
+}
+
+/// Splits `key:value,key:value` at the commas outside brackets (a value may be a list such
+/// as `[64:8,256:4,>:1]`).
+fn split_items(conf: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut depth, mut start) = (0i32, 0usize);
+    for (i, c) in conf.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth <= 0 => {
+                out.push(&conf[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&conf[start..]);
+    out
+}
+
+/// PyTorch's `roundup_power2_divisions`: one number of divisions for every size, or a list
+/// `[boundary_MiB:divisions,...,>:divisions]` (boundaries and divisions powers of two; a
+/// division of 0 turns rounding off for its intervals).
+fn parse_roundup(key: &str, value: &str) -> Result<[u64; ROUNDUP_INTERVALS]> {
+    let v = value.trim();
+    let bad = |r: &str| invalid(key, value, r.to_string());
+    let mut out = [0u64; ROUNDUP_INTERVALS];
+    let Some(inner) = v.strip_prefix('[') else {
+        let n: u64 = v
+            .parse()
+            .map_err(|_| bad("expected a power of two or a list such as [64:8,256:4,>:1]"))?;
+        if !n.is_power_of_two() {
+            return Err(bad("the divisions have to be a power of two"));
+        }
+        return Ok([n; ROUNDUP_INTERVALS]);
+    };
+    let inner = inner
+        .strip_suffix(']')
+        .ok_or_else(|| bad("a list must end with ]"))?;
+    let mut last = 0usize;
+    for item in inner.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let (b, d) = item
+            .split_once(':')
+            .ok_or_else(|| bad("expected boundary:divisions in the list"))?;
+        let d: u64 = d
+            .trim()
+            .parse()
+            .map_err(|_| bad("divisions must be an integer"))?;
+        if d != 0 && !d.is_power_of_two() {
+            return Err(bad("the divisions have to be a power of two or 0"));
+        }
+        if b.trim() == ">" {
+            for e in out.iter_mut().skip(last + 1) {
+                *e = d;
+            }
+            continue;
+        }
+        let b: u64 = b
+            .trim()
+            .parse()
+            .map_err(|_| bad("a boundary must be an integer (MiB) or >"))?;
+        if !b.is_power_of_two() {
+            return Err(bad(
+                "the interval boundaries have to be powers of two (MiB)",
+            ));
+        }
+        // As PyTorch: the entries up to the boundary's own interval, inclusive.
+        let index = (b.trailing_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+        let from = if last == 0 { 0 } else { last + 1 };
+        for e in out.iter_mut().take(index + 1).skip(from) {
+            *e = d;
+        }
+        last = index;
+    }
+    Ok(out)
+}
+
 impl Config {
+    /// The divisions of `roundup_power2_divisions` for a request of `size` bytes.
+    pub fn roundup_divisions(&self, size: u64) -> u64 {
+        let log = 63 - size.max(1).leading_zeros() as usize;
+        let index = log.saturating_sub(20).min(ROUNDUP_INTERVALS - 1);
+        self.roundup_power2_divisions[index]
+    }
+
+    /// A request's size as the allocator places it: 512-byte multiples, or PyTorch's
+    /// power-of-two divisions where `roundup_power2_divisions` asks for them.
+    pub fn round_size(&self, size: u64) -> u64 {
+        round_size_with(size, self.roundup_divisions(size))
+    }
+
     /// Sets one key (GMLake's names, or this project's snake_case names; case-insensitive).
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        // The memory debugging mode's keys (`debug*`), in their own module.
+        if self.debug.set(key, value)? {
+            return Ok(());
+        }
         let v = value.trim();
         let size = |k: &str| parse_size(v).map_err(|r| invalid(k, value, r));
         match key.trim().to_ascii_lowercase().as_str() {
@@ -236,11 +376,14 @@ impl Config {
             "memory_fraction" | "memoryfraction" | "fraction" => {
                 let f: f64 = v
                     .parse()
-                    .map_err(|_| invalid(key, value, "expected a fraction in (0, 1]"))?;
-                if !(f > 0.0 && f <= 1.0) {
-                    return Err(invalid(key, value, "expected a fraction in (0, 1]"));
+                    .map_err(|_| invalid(key, value, "expected a fraction in [0, 1]"))?;
+                if !(0.0..=1.0).contains(&f) {
+                    return Err(invalid(key, value, "expected a fraction in [0, 1]"));
                 }
                 self.memory_fraction = Some(f);
+            }
+            "roundup_power2_divisions" | "roundup" => {
+                self.roundup_power2_divisions = parse_roundup(key, value)?;
             }
             "limit" | "limit_bytes" => {
                 let l = size(key)?;
@@ -259,7 +402,11 @@ impl Config {
 
     /// Applies a `key:value,key:value` list (`=` is accepted in place of `:`).
     pub fn apply_conf(&mut self, conf: &str) -> Result<()> {
-        for item in conf.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        for item in split_items(conf)
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
+        {
             let (k, v) = item
                 .split_once(':')
                 .or_else(|| item.split_once('='))
@@ -320,8 +467,29 @@ impl Config {
                     .map_or("none".to_string(), |f| f.to_string()),
             ),
             ("limit", opt(self.limit_bytes)),
+            (
+                "roundup_power2_divisions",
+                roundup_text(&self.roundup_power2_divisions),
+            ),
         ]
+        .into_iter()
+        .chain(self.debug.to_pairs())
+        .collect()
     }
+}
+
+/// `roundup_power2_divisions` in PyTorch's syntax: one number when every interval has the
+/// same, else `[1:a,2:b,...,32768:p]` (one boundary in MiB per interval).
+fn roundup_text(d: &[u64; ROUNDUP_INTERVALS]) -> String {
+    if d.iter().all(|&x| x == d[0]) {
+        return d[0].to_string();
+    }
+    let parts: Vec<String> = d
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| format!("{}:{x}", 1u64 << i))
+        .collect();
+    format!("[{}]", parts.join(","))
 }
 
 #[cfg(test)]
@@ -380,5 +548,66 @@ mod tests {
             .contains("nonsense"));
         assert!(c.set("memory_fraction", "1.5").is_err());
         assert!(c.set("page_size", "3MiB").is_err());
+    }
+
+    #[test]
+    fn roundup_power2_divisions_parse_as_pytorch() {
+        let mut c = Config::default();
+        assert_eq!(c.round_size(1), 512);
+        assert_eq!(c.round_size(84 << 20), 84 << 20, "no rounding by default");
+        c.apply_conf("roundup_power2_divisions:4").unwrap();
+        assert_eq!(c.roundup_power2_divisions, [4; ROUNDUP_INTERVALS]);
+        // 84 MiB lies in [64, 128) MiB: steps of 16 MiB.
+        assert_eq!(c.round_size(84 << 20), 96 << 20);
+        assert_eq!(c.round_size(64 << 20), 64 << 20, "powers of two stay");
+        assert_eq!(c.round_size(1000), 1024, "small sizes: 512-byte rounding");
+        // PyTorch's test: 1200 with 4 divisions is 1280 (when 1200 > 512 x divisions).
+        assert_eq!(round_size_with(1200, 2), 1536);
+        assert_eq!(round_size_with(1200 << 10, 4), 1280 << 10);
+
+        // The list syntax, inside a GMLAKE_CONF list (commas within brackets).
+        c.apply_conf("fragLimit:2MiB,roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1],max_aliases:2")
+            .unwrap();
+        assert_eq!(c.frag_limit, 2 << 20);
+        assert_eq!(c.max_aliases, 2.0);
+        // PyTorch's test_allocator_settings: 84 MiB gets 8 divisions, 400 MiB gets 2.
+        assert_eq!(&c.roundup_power2_divisions[..7], &[8; 7]);
+        assert_eq!(c.roundup_power2_divisions[7], 2);
+        assert_eq!(c.roundup_divisions(84 << 20), 8);
+        assert_eq!(c.roundup_divisions(400 << 20), 2);
+        assert_eq!(c.roundup_divisions(1500 << 20), 1);
+        let text = c
+            .to_pairs()
+            .into_iter()
+            .find(|(k, _)| *k == "roundup_power2_divisions")
+            .unwrap()
+            .1;
+        assert!(text.starts_with("[1:8,2:8,"), "{text}");
+        let mut d = Config::default();
+        d.set("roundup_power2_divisions", &text).unwrap();
+        assert_eq!(d.roundup_power2_divisions, c.roundup_power2_divisions);
+
+        for bad in ["3", "[64:3]", "[48:8]", "[64:8", "x", "[64]"] {
+            let e = Config::default()
+                .set("roundup_power2_divisions", bad)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("roundup_power2_divisions") && e.contains(bad),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn memory_fraction_accepts_zero_to_one() {
+        let mut c = Config::default();
+        c.set("memory_fraction", "0").unwrap();
+        assert_eq!(c.memory_fraction, Some(0.0));
+        c.set("memory_fraction", "1.0").unwrap();
+        for bad in ["-0.1", "1.1", "half"] {
+            let e = c.set("memory_fraction", bad).unwrap_err().to_string();
+            assert!(e.contains("memory_fraction") && e.contains(bad), "{e}");
+        }
     }
 }

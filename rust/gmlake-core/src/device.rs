@@ -11,7 +11,13 @@
 //! - `release_physical` only takes a handle that is mapped nowhere;
 //! - `free_va` only takes a whole reservation with nothing mapped inside;
 //! - an event recorded on a stream completes once all work queued on that stream before the
-//!   record has finished.
+//!   record has finished;
+//! - the host-memory calls (`alloc_host`, `free_host`, `copy_d2h_async`, `copy_h2d_async`) are
+//!   optional: a device without them keeps the default methods, which fail with
+//!   [`DeviceError::Unsupported`]. A copy is queued on a stream, like a kernel: it runs after
+//!   the work queued on that stream before it, and an event recorded after it completes once it
+//!   has. Neither of its ranges may be freed, nor its destination read or its source written by
+//!   work not ordered after it, before that event completes.
 
 use std::fmt;
 
@@ -29,6 +35,11 @@ pub struct PhysHandle(pub u64);
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EventHandle(pub u64);
 
+/// Pinned (page-locked) host memory made by [`Device::alloc_host`], as an address. Copies may
+/// start at any address inside the buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostPtr(pub u64);
+
 /// Why a device call failed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceError {
@@ -38,6 +49,9 @@ pub enum DeviceError {
     InvalidArgument(String),
     /// The driver is missing or unusable on this machine.
     Unavailable(String),
+    /// This device does not implement the call (the trait's default method): e.g. host memory
+    /// on a device written before the host tier.
+    Unsupported(&'static str),
     /// The driver returned an error code.
     Driver {
         call: &'static str,
@@ -52,6 +66,7 @@ impl fmt::Display for DeviceError {
             DeviceError::OutOfMemory => write!(f, "device out of memory"),
             DeviceError::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             DeviceError::Unavailable(m) => write!(f, "device unavailable: {m}"),
+            DeviceError::Unsupported(call) => write!(f, "{call} is not supported by this device"),
             DeviceError::Driver {
                 call,
                 code,
@@ -104,6 +119,43 @@ pub trait Device: Send + Sync {
     fn query_event(&self, event: EventHandle) -> DeviceResult<bool>;
     /// Blocks until all work on the device has completed.
     fn synchronize(&self) -> DeviceResult<()>;
+
+    /// Allocates `size` bytes of pinned host memory (`cuMemHostAlloc`), which copies to and
+    /// from the device can run asynchronously with.
+    fn alloc_host(&self, size: usize) -> DeviceResult<HostPtr> {
+        let _ = size;
+        Err(DeviceError::Unsupported("alloc_host"))
+    }
+    /// Frees a buffer of [`Device::alloc_host`] (its start address). No copy may still be in
+    /// flight to or from it.
+    fn free_host(&self, ptr: HostPtr) -> DeviceResult<()> {
+        let _ = ptr;
+        Err(DeviceError::Unsupported("free_host"))
+    }
+    /// Queues a copy of `len` bytes from device address `src` to pinned host memory `dst` on
+    /// `stream` (`cuMemcpyDtoHAsync`).
+    fn copy_d2h_async(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        let _ = (dst, src, len, stream);
+        Err(DeviceError::Unsupported("copy_d2h_async"))
+    }
+    /// Queues a copy of `len` bytes from pinned host memory `src` to device address `dst` on
+    /// `stream` (`cuMemcpyHtoDAsync`).
+    fn copy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: HostPtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        let _ = (dst, src, len, stream);
+        Err(DeviceError::Unsupported("copy_h2d_async"))
+    }
 }
 
 impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
@@ -151,5 +203,29 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
     }
     fn synchronize(&self) -> DeviceResult<()> {
         (**self).synchronize()
+    }
+    fn alloc_host(&self, size: usize) -> DeviceResult<HostPtr> {
+        (**self).alloc_host(size)
+    }
+    fn free_host(&self, ptr: HostPtr) -> DeviceResult<()> {
+        (**self).free_host(ptr)
+    }
+    fn copy_d2h_async(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        (**self).copy_d2h_async(dst, src, len, stream)
+    }
+    fn copy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: HostPtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        (**self).copy_h2d_async(dst, src, len, stream)
     }
 }

@@ -12,20 +12,30 @@
 pub mod allocator;
 mod arena;
 pub mod config;
+pub mod debug;
 pub mod device;
 pub mod error;
 pub mod ipc;
 mod keys;
 pub mod sim;
 pub mod stats;
+pub mod tier;
+pub mod tier_trace;
 
 pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
 pub use config::{parse_size, Config, StitchStrategy};
-pub use device::{Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId};
+pub use debug::DebugConfig;
+pub use device::{
+    Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostPtr, PhysHandle, StreamId,
+};
 pub use error::{Error, OomInfo, Result};
 pub use ipc::{IpcHandle, SharedPages};
 pub use sim::SimDevice;
 pub use stats::{
     BlockInfo, BlockState, DeviceStats, DriverCalls, PoolKind, SegmentInfo, Snapshot, Stat,
     StatArray,
+};
+pub use tier::{
+    EvictionPolicy, Fetched, Lru, SizeLatencyAware, TensorId, TensorState, Tier, TierConfig,
+    TierStats,
 };

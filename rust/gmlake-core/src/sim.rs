@@ -1,9 +1,20 @@
 //! A simulated device: host-side bookkeeping that enforces the CUDA driver's virtual memory
 //! rules (see [`crate::device`]) and counts every call by kind. Used by the tests and by trace
 //! replay; nothing is ever read or written through its addresses.
+//!
+//! Contents: for the host tier's tests the device keeps a model of what memory holds, one
+//! 64-bit value per 512-byte unit ([`CONTENT_UNIT`]) of physical pages and pinned host
+//! buffers (unwritten units hold 0). [`SimDevice::fill`] writes a pattern (a kernel writing a
+//! tensor), [`SimDevice::checksum`] reads one back (position-relative, so a tensor moved to other
+//! pages keeps its checksum), and the copies of the [`Device`] trait move it. On an
+//! [`asynchronous`](SimDevice::asynchronous) device, fills and copies are queued and run, in the
+//! order they were issued, when the device completes its work ([`SimDevice::complete_all`],
+//! `synchronize`), as events do. Queued work on *different* streams that touches the same
+//! bytes (one of them writing) is a data race on a GPU: the device records it as a *hazard*
+//! ([`SimDevice::hazards`]), as it does for memory released or freed with work in flight.
 
 use crate::device::{
-    Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId,
+    Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostPtr, PhysHandle, StreamId,
 };
 use crate::stats::DriverCalls;
 use parking_lot::Mutex;
@@ -14,6 +25,81 @@ use std::collections::BTreeMap;
 const VA_BASE: u64 = 0x7f00_0000_0000;
 /// How much virtual address space the simulated device has (as a 47-bit GPU VA space).
 const VA_LIMIT: u64 = VA_BASE + (1 << 46);
+
+/// Where pinned host buffers start in the simulated host address space.
+const HOST_BASE: u64 = 0x5500_0000_0000;
+
+/// Granule of the content model: copies, fills and checksums take addresses and lengths that
+/// are multiples of it.
+pub const CONTENT_UNIT: u64 = 512;
+
+/// Memory whose contents are modelled: a physical allocation, or a host buffer (by start).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Space {
+    Phys(u64),
+    Host(u64),
+}
+
+/// A byte range of one space.
+#[derive(Clone, Copy, Debug)]
+struct Seg {
+    space: Space,
+    off: u64,
+    len: u64,
+}
+
+#[derive(Debug)]
+enum OpKind {
+    Copy { src: Vec<Seg>, dst: Vec<Seg> },
+    Fill { dst: Vec<Seg>, seed: u64 },
+}
+
+/// A fill or copy queued on a stream, not yet run.
+#[derive(Debug)]
+struct PendingOp {
+    stream: StreamId,
+    what: &'static str,
+    kind: OpKind,
+}
+
+impl PendingOp {
+    fn reads(&self) -> &[Seg] {
+        match &self.kind {
+            OpKind::Copy { src, .. } => src,
+            OpKind::Fill { .. } => &[],
+        }
+    }
+    fn writes(&self) -> &[Seg] {
+        match &self.kind {
+            OpKind::Copy { dst, .. } | OpKind::Fill { dst, .. } => dst,
+        }
+    }
+    fn touches(&self, space: Space) -> bool {
+        self.reads()
+            .iter()
+            .chain(self.writes())
+            .any(|s| s.space == space)
+    }
+}
+
+fn overlaps(a: &[Seg], b: &[Seg]) -> bool {
+    a.iter().any(|x| {
+        b.iter()
+            .any(|y| x.space == y.space && x.off < y.off + y.len && y.off < x.off + x.len)
+    })
+}
+
+/// The value a fill with `seed` writes into unit `i` of its range.
+fn fill_value(seed: u64, i: u64) -> u64 {
+    mix(seed ^ 0x9e37_79b9_7f4a_7c15, i)
+}
+
+fn mix(a: u64, b: u64) -> u64 {
+    let mut x = a.wrapping_add(b.wrapping_mul(0xbf58_476d_1ce4_e5b9)) ^ 0x94d0_49bb_1331_11eb;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
 
 #[derive(Debug)]
 struct Handle {
@@ -43,6 +129,17 @@ struct SimState {
     /// event -> pending (recorded, not yet completed)
     events: FxHashMap<u64, bool>,
     calls: DriverCalls,
+    /// Pinned host buffers: start -> size.
+    host: BTreeMap<u64, u64>,
+    next_host: u64,
+    /// Modelled contents: space -> unit index -> value (absent: 0).
+    contents: FxHashMap<Space, FxHashMap<u64, u64>>,
+    /// Fills and copies queued on an asynchronous device, in issue order.
+    queued: Vec<PendingOp>,
+    hazards: Vec<String>,
+    /// Bytes copied device to host and host to device (counted at issue).
+    d2h_bytes: u64,
+    h2d_bytes: u64,
 }
 
 /// A simulated GPU with a fixed capacity and page granularity.
@@ -53,6 +150,8 @@ pub struct SimDevice {
     /// When true, recorded events stay pending until [`SimDevice::complete_all`] or
     /// `synchronize`, modelling kernels still in flight.
     asynchronous: bool,
+    /// Whether fills and copies model contents (off for fast replays of large traces).
+    contents: bool,
     state: Mutex<SimState>,
 }
 
@@ -75,10 +174,12 @@ impl SimDevice {
             capacity,
             granularity,
             asynchronous: false,
+            contents: true,
             state: Mutex::new(SimState {
                 next_va: VA_BASE,
                 next_handle: 1,
                 next_event: 1,
+                next_host: HOST_BASE,
                 ..SimState::default()
             }),
         }
@@ -90,13 +191,79 @@ impl SimDevice {
         self
     }
 
-    /// Completes every pending event (all queued work has finished).
+    /// Copies and fills are checked and counted but move no contents (checksums read zeros):
+    /// for replays of large traces, where modelling every 512 bytes would be slow.
+    pub fn without_contents(mut self) -> SimDevice {
+        self.contents = false;
+        self
+    }
+
+    /// Completes every pending event (all queued work has finished): queued fills and copies
+    /// run, in issue order.
     pub fn complete_all(&self) {
-        self.state
-            .lock()
-            .events
-            .values_mut()
-            .for_each(|p| *p = false);
+        let mut st = self.state.lock();
+        st.run_queued();
+        st.events.values_mut().for_each(|p| *p = false);
+    }
+
+    /// Writes a pattern derived from `seed` into `len` bytes at device address `addr`, queued on
+    /// `stream` as a kernel would be (at once on a synchronous device). `addr` and `len` are
+    /// multiples of [`CONTENT_UNIT`], and the range is mapped with access.
+    pub fn fill(&self, addr: DevicePtr, len: u64, seed: u64, stream: StreamId) -> DeviceResult<()> {
+        let mut st = self.state.lock();
+        let dst = st.device_segs(addr, len, "fill")?;
+        st.issue(
+            self.asynchronous,
+            self.contents,
+            PendingOp {
+                stream,
+                what: "fill",
+                kind: OpKind::Fill { dst, seed },
+            },
+        );
+        Ok(())
+    }
+
+    /// The checksum of `len` bytes at device address `addr` (relative to `addr`: equal
+    /// contents at two addresses give equal checksums). Fails while queued work writes there.
+    pub fn checksum(&self, addr: DevicePtr, len: u64) -> DeviceResult<u64> {
+        let st = self.state.lock();
+        let segs = st.device_segs(addr, len, "checksum")?;
+        st.checksum_of(&segs)
+    }
+
+    /// The checksum a fill of `len` bytes with `seed` leaves.
+    pub fn fill_checksum(len: u64, seed: u64) -> u64 {
+        (0..len / CONTENT_UNIT).fold(0, |acc, i| mix(acc, mix(fill_value(seed, i), i)))
+    }
+
+    /// The checksum of `len` bytes of pinned host memory at `ptr`.
+    pub fn host_checksum(&self, ptr: HostPtr, len: u64) -> DeviceResult<u64> {
+        let st = self.state.lock();
+        let segs = st.host_segs(ptr, len, "checksum")?;
+        st.checksum_of(&segs)
+    }
+
+    /// Data races and frees with work in flight seen so far (see the module documentation).
+    pub fn hazards(&self) -> Vec<String> {
+        self.state.lock().hazards.clone()
+    }
+
+    /// Fills and copies queued and not yet run.
+    pub fn queued_ops(&self) -> usize {
+        self.state.lock().queued.len()
+    }
+
+    /// Pinned host buffers currently allocated, and their bytes.
+    pub fn host_buffers(&self) -> (usize, u64) {
+        let st = self.state.lock();
+        (st.host.len(), st.host.values().sum())
+    }
+
+    /// Bytes copied so far (device to host, host to device).
+    pub fn copied_bytes(&self) -> (u64, u64) {
+        let st = self.state.lock();
+        (st.d2h_bytes, st.h2d_bytes)
     }
 
     /// Calls made so far, by kind.
@@ -208,6 +375,142 @@ impl SimState {
         id
     }
 
+    fn check_unit(addr: u64, len: u64, what: &str) -> DeviceResult<()> {
+        if !addr.is_multiple_of(CONTENT_UNIT) || !len.is_multiple_of(CONTENT_UNIT) || len == 0 {
+            return invalid(format!(
+                "{what} of {len} bytes at {addr:#x}: the simulated device models contents in \
+                 units of {CONTENT_UNIT} bytes (non-empty, aligned ranges only)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The physical ranges behind `len` bytes at device address `addr`, which must be mapped
+    /// with access throughout.
+    fn device_segs(&self, addr: u64, len: u64, what: &str) -> DeviceResult<Vec<Seg>> {
+        Self::check_unit(addr, len, what)?;
+        let end = addr + len;
+        let mut segs = Vec::new();
+        let mut cursor = addr;
+        while cursor < end {
+            let m = self.mappings.range(..=cursor).next_back();
+            let Some((&start, &(size, handle, true))) = m.filter(|(&s, m)| cursor < s + m.0) else {
+                return invalid(format!(
+                    "{what} of {len} bytes at {addr:#x}: {cursor:#x} is not mapped with access"
+                ));
+            };
+            let chunk = (start + size).min(end) - cursor;
+            segs.push(Seg {
+                space: Space::Phys(self.handles[&handle].alloc),
+                off: cursor - start,
+                len: chunk,
+            });
+            cursor += chunk;
+        }
+        Ok(segs)
+    }
+
+    /// The host buffer range of `len` bytes at `ptr`, which must lie in one buffer.
+    fn host_segs(&self, ptr: HostPtr, len: u64, what: &str) -> DeviceResult<Vec<Seg>> {
+        Self::check_unit(ptr.0, len, what)?;
+        match self.host.range(..=ptr.0).next_back() {
+            Some((&start, &size)) if ptr.0 + len <= start + size => Ok(vec![Seg {
+                space: Space::Host(start),
+                off: ptr.0 - start,
+                len,
+            }]),
+            _ => invalid(format!(
+                "{what} of {len} bytes at host {:#x}: not inside one pinned buffer",
+                ptr.0
+            )),
+        }
+    }
+
+    fn read_units(&self, segs: &[Seg]) -> Vec<u64> {
+        let mut out = Vec::new();
+        for s in segs {
+            let c = self.contents.get(&s.space);
+            for u in s.off / CONTENT_UNIT..(s.off + s.len) / CONTENT_UNIT {
+                out.push(c.and_then(|c| c.get(&u)).copied().unwrap_or(0));
+            }
+        }
+        out
+    }
+
+    fn write_units(&mut self, segs: &[Seg], mut value: impl FnMut(u64) -> u64) {
+        let mut i = 0;
+        for s in segs {
+            let live = match s.space {
+                Space::Phys(a) => self.alloc_refs.contains_key(&a),
+                Space::Host(h) => self.host.contains_key(&h),
+            };
+            let c = self.contents.entry(s.space).or_default();
+            for u in s.off / CONTENT_UNIT..(s.off + s.len) / CONTENT_UNIT {
+                let v = value(i);
+                i += 1;
+                if live {
+                    c.insert(u, v);
+                }
+            }
+        }
+    }
+
+    fn checksum_of(&self, segs: &[Seg]) -> DeviceResult<u64> {
+        if let Some(op) = self.queued.iter().find(|op| overlaps(op.writes(), segs)) {
+            return invalid(format!(
+                "checksum of memory that a queued {} on stream {:#x} writes",
+                op.what, op.stream
+            ));
+        }
+        Ok(self
+            .read_units(segs)
+            .iter()
+            .enumerate()
+            .fold(0, |acc, (i, &v)| mix(acc, mix(v, i as u64))))
+    }
+
+    fn run(&mut self, op: PendingOp) {
+        match op.kind {
+            OpKind::Copy { src, dst } => {
+                let data = self.read_units(&src);
+                self.write_units(&dst, |i| data[i as usize]);
+            }
+            OpKind::Fill { dst, seed } => self.write_units(&dst, |i| fill_value(seed, i)),
+        }
+    }
+
+    /// Runs `op` now (synchronous device) or queues it, recording a hazard if queued work of
+    /// another stream conflicts with it.
+    fn issue(&mut self, asynchronous: bool, contents: bool, op: PendingOp) {
+        if !contents {
+            return;
+        }
+        if !asynchronous {
+            self.run(op);
+            return;
+        }
+        for p in &self.queued {
+            if p.stream != op.stream
+                && (overlaps(op.writes(), p.reads())
+                    || overlaps(op.writes(), p.writes())
+                    || overlaps(op.reads(), p.writes()))
+            {
+                self.hazards.push(format!(
+                    "data race: {} on stream {:#x} and queued {} on stream {:#x} touch the same \
+                     memory, one writing",
+                    op.what, op.stream, p.what, p.stream
+                ));
+            }
+        }
+        self.queued.push(op);
+    }
+
+    fn run_queued(&mut self) {
+        for op in std::mem::take(&mut self.queued) {
+            self.run(op);
+        }
+    }
+
     fn reservation_containing(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
         let (&s, &len) = self.reservations.range(..=addr).next_back()?;
         (addr + size <= s + len).then_some((s, len))
@@ -265,6 +568,13 @@ impl Device for SimDevice {
                 if *refs == 0 {
                     st.alloc_refs.remove(&alloc);
                     st.physical_bytes -= size;
+                    st.contents.remove(&Space::Phys(alloc));
+                    if st.queued.iter().any(|op| op.touches(Space::Phys(alloc))) {
+                        st.hazards.push(format!(
+                            "physical memory of handle {} released with queued work on it",
+                            handle.0
+                        ));
+                    }
                 }
                 Ok(())
             }
@@ -435,7 +745,82 @@ impl Device for SimDevice {
     fn synchronize(&self) -> DeviceResult<()> {
         let mut st = self.state.lock();
         st.calls.synchronize += 1;
+        st.run_queued();
         st.events.values_mut().for_each(|p| *p = false);
+        Ok(())
+    }
+
+    fn alloc_host(&self, size: usize) -> DeviceResult<HostPtr> {
+        let size = (size as u64).div_ceil(CONTENT_UNIT) * CONTENT_UNIT;
+        if size == 0 {
+            return invalid("pinned host allocation of 0 bytes".into());
+        }
+        let mut st = self.state.lock();
+        // Buffers are 4 KiB aligned, as host pages are.
+        let start = st.next_host.div_ceil(4096) * 4096;
+        st.next_host = start + size;
+        st.host.insert(start, size);
+        Ok(HostPtr(start))
+    }
+
+    fn free_host(&self, ptr: HostPtr) -> DeviceResult<()> {
+        let mut st = self.state.lock();
+        if st.host.remove(&ptr.0).is_none() {
+            return invalid(format!("free of unknown pinned host buffer {:#x}", ptr.0));
+        }
+        st.contents.remove(&Space::Host(ptr.0));
+        if st.queued.iter().any(|op| op.touches(Space::Host(ptr.0))) {
+            st.hazards.push(format!(
+                "pinned host buffer {:#x} freed with a queued copy on it",
+                ptr.0
+            ));
+        }
+        Ok(())
+    }
+
+    fn copy_d2h_async(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        let mut st = self.state.lock();
+        let s = st.device_segs(src, len as u64, "copy_d2h_async")?;
+        let d = st.host_segs(dst, len as u64, "copy_d2h_async")?;
+        st.d2h_bytes += len as u64;
+        st.issue(
+            self.asynchronous,
+            self.contents,
+            PendingOp {
+                stream,
+                what: "copy_d2h_async",
+                kind: OpKind::Copy { src: s, dst: d },
+            },
+        );
+        Ok(())
+    }
+
+    fn copy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: HostPtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        let mut st = self.state.lock();
+        let s = st.host_segs(src, len as u64, "copy_h2d_async")?;
+        let d = st.device_segs(dst, len as u64, "copy_h2d_async")?;
+        st.h2d_bytes += len as u64;
+        st.issue(
+            self.asynchronous,
+            self.contents,
+            PendingOp {
+                stream,
+                what: "copy_h2d_async",
+                kind: OpKind::Copy { src: s, dst: d },
+            },
+        );
         Ok(())
     }
 }
@@ -474,6 +859,76 @@ mod tests {
         let _a = d.create_physical(P).unwrap();
         let _b = d.create_physical(P).unwrap();
         assert_eq!(d.create_physical(P), Err(DeviceError::OutOfMemory));
+    }
+
+    /// Maps `n` pages at a fresh reservation with access; returns its address.
+    fn mapped(d: &SimDevice, n: usize) -> (DevicePtr, Vec<PhysHandle>) {
+        let va = d.reserve_va(n * P, P).unwrap();
+        let hs: Vec<PhysHandle> = (0..n)
+            .map(|i| {
+                let h = d.create_physical(P).unwrap();
+                d.map(va + (i * P) as u64, P, h).unwrap();
+                h
+            })
+            .collect();
+        d.set_access(va, n * P).unwrap();
+        (va, hs)
+    }
+
+    #[test]
+    fn copies_round_trip_contents() {
+        let d = SimDevice::new(8 * P as u64);
+        let (a, _) = mapped(&d, 2);
+        let (b, _) = mapped(&d, 2);
+        let len = P as u64 + 4096; // across a page boundary
+        d.fill(a + P as u64 - 2048, len, 42, 0).unwrap();
+        let want = SimDevice::fill_checksum(len, 42);
+        assert_eq!(d.checksum(a + P as u64 - 2048, len).unwrap(), want);
+        assert_ne!(d.checksum(b, len).unwrap(), want);
+        let h = d.alloc_host(len as usize).unwrap();
+        d.copy_d2h_async(h, a + P as u64 - 2048, len as usize, 0)
+            .unwrap();
+        assert_eq!(d.host_checksum(h, len).unwrap(), want);
+        d.copy_h2d_async(b + 512, h, len as usize, 0).unwrap();
+        assert_eq!(d.checksum(b + 512, len).unwrap(), want);
+        assert_eq!(d.copied_bytes(), (len, len));
+        assert!(d.copy_h2d_async(b + 1, h, 512, 0).is_err(), "unaligned");
+        assert!(
+            d.copy_h2d_async(b, HostPtr(h.0 + len), 512, 0).is_err(),
+            "past the buffer"
+        );
+        d.free_host(h).unwrap();
+        assert!(d.free_host(h).is_err());
+        assert!(d.hazards().is_empty());
+    }
+
+    #[test]
+    fn asynchronous_copies_run_at_completion_and_races_are_hazards() {
+        let d = SimDevice::new(8 * P as u64).asynchronous();
+        let (a, hs) = mapped(&d, 1);
+        let h = d.alloc_host(P).unwrap();
+        d.fill(a, P as u64, 7, 1).unwrap();
+        d.copy_d2h_async(h, a, P, 1).unwrap(); // same stream: ordered after the fill
+        assert!(d.checksum(a, P as u64).is_err(), "queued fill writes there");
+        assert_eq!(d.queued_ops(), 2);
+        assert!(d.hazards().is_empty());
+        d.complete_all();
+        assert_eq!(d.queued_ops(), 0);
+        assert_eq!(
+            d.host_checksum(h, P as u64).unwrap(),
+            SimDevice::fill_checksum(P as u64, 7)
+        );
+        // A copy out on stream 1 and a kernel writing the same memory on stream 2: a race.
+        d.copy_d2h_async(h, a, P, 1).unwrap();
+        d.fill(a, 512, 8, 2).unwrap();
+        assert_eq!(d.hazards().len(), 1, "{:?}", d.hazards());
+        // Freeing the buffer or releasing the page under queued work: hazards too.
+        d.free_host(h).unwrap();
+        d.unmap(a, P).unwrap();
+        d.release_physical(hs[0]).unwrap();
+        assert_eq!(d.hazards().len(), 3, "{:?}", d.hazards());
+        d.synchronize().unwrap();
+        assert_eq!(d.queued_ops(), 0);
     }
 
     #[test]

@@ -202,7 +202,57 @@ fn memory_fraction_and_limit_cap_reserved_memory() {
     a.set_limit(Some(100 * MIB));
     assert_eq!(a.limit(), Some(100 * MIB));
     assert!(a.set_memory_fraction(1.5).is_err());
-    assert!(a.set_memory_fraction(0.0).is_err());
+    assert!(a.set_memory_fraction(-0.1).is_err());
+}
+
+#[test]
+fn a_memory_fraction_of_zero_allows_nothing_new_as_pytorch() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    a.set_memory_fraction(0.0).unwrap();
+    assert_eq!(a.memory_fraction(), Some(0.0));
+    assert!(matches!(a.allocate(MIB, 0), Err(Error::OutOfMemory(_))));
+    a.set_memory_fraction(1.0).unwrap();
+    assert_eq!(a.memory_fraction(), None, "1 removes the cap, as PyTorch");
+    let p = a.allocate(MIB, 0).unwrap();
+    a.free(p).unwrap();
+    a.verify().unwrap();
+}
+
+#[test]
+fn roundup_power2_divisions_round_the_placed_size_not_the_request() {
+    let mut cfg = Config::default();
+    cfg.apply_conf("roundup_power2_divisions:4").unwrap();
+    let (_dev, a) = setup(1 << 30, cfg);
+    let n = 84 * MIB; // between 64 and 128 MiB: divisions of 16 MiB
+    let p = a.allocate(n, 0).unwrap();
+    let s = a.stats();
+    assert_eq!(s.allocated_bytes.aggregate().current as u64, 96 * MIB);
+    assert_eq!(s.requested_bytes.aggregate().current as u64, n);
+    a.free(p).unwrap();
+    // The caller's own rounding (allocate_rounded) wins.
+    let q = a
+        .allocate_rounded(MIB + 1, 2 * MIB, 0, gmlake_core::GraphPoolId::DEFAULT)
+        .unwrap();
+    assert_eq!(
+        a.stats().allocated_bytes.aggregate().current as u64,
+        2 * MIB
+    );
+    a.free(q).unwrap();
+    a.verify().unwrap();
+}
+
+#[test]
+fn cleared_stream_uses_free_at_once() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    let p = a.allocate(4 * MIB, 1).unwrap();
+    a.record_stream(p, 2).unwrap();
+    a.clear_stream_uses(p).unwrap();
+    a.free(p).unwrap();
+    // Reusable on its stream at once: same address.
+    let q = a.allocate(4 * MIB, 1).unwrap();
+    assert_eq!(p, q);
+    a.free(q).unwrap();
+    assert!(a.clear_stream_uses(0x1000).is_err());
 }
 
 #[test]
@@ -549,7 +599,9 @@ fn stats_follow_allocations_and_resets() {
     let s = a.stats();
     assert_eq!(s.allocation.aggregate().peak, 2);
     assert_eq!(s.active_bytes.aggregate().current, 0);
-    assert!(s.inactive_split_bytes.aggregate().current > 0);
+    // Everything free: cached runs, none split (as PyTorch's unsplit free segments).
+    assert_eq!(s.inactive_split_bytes.aggregate().current, 0);
+    assert!(s.inactive_split_bytes.aggregate().peak > 0);
     a.reset_peak_stats();
     assert_eq!(a.stats().allocation.aggregate().peak, 0);
     let created = a.stats().num_device_alloc;
@@ -714,5 +766,106 @@ fn allocate_at_recreates_a_freed_block_of_a_graph_pool() {
     // A part of a free block can be re-created too.
     a.allocate_at(p + 2 * MIB, 2 * MIB, 2 * MIB, 4, pool)
         .unwrap();
+    a.verify().unwrap();
+}
+
+#[test]
+fn inactive_split_counts_only_runs_with_an_active_block_as_pytorch() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    let p = a.allocate(1, 0).unwrap();
+    let s = a.stats();
+    // A 2 MiB page: 512 bytes live, the rest split off (PyTorch: the same).
+    assert_eq!(s.inactive_split.aggregate().current, 1);
+    assert_eq!(
+        s.inactive_split_bytes.aggregate().current as u64,
+        2 * MIB - 512
+    );
+    a.free(p).unwrap();
+    let s = a.stats();
+    // Freed: the page is one free run, cached but not split (PyTorch: 0).
+    assert_eq!(s.inactive_split.aggregate().current, 0);
+    assert_eq!(s.inactive_split_bytes.aggregate().current, 0);
+    let q = a.allocate(MIB, 0).unwrap();
+    assert_eq!(
+        a.stats().inactive_split_bytes.aggregate().current as u64,
+        MIB
+    );
+    a.free(q).unwrap();
+    assert_eq!(a.stats().inactive_split_bytes.aggregate().current, 0);
+    a.verify().unwrap();
+}
+
+/// PyTorch's `_check_memory_stat_consistency` for expandable segments (what gmlake's runs
+/// are): the statistics equal what the snapshot adds up, per pool, along a random sequence
+/// with stitches, frees and empty_cache.
+#[test]
+fn stats_equal_what_the_snapshot_adds_up() {
+    let (_dev, a) = setup(1 << 30, Config::default());
+    let mut seed = 12345u64;
+    let mut rnd = |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let mut live: Vec<u64> = Vec::new();
+    let check = |a: &Allocator<Arc<SimDevice>>, step: usize| {
+        let snap = a.snapshot();
+        let s = a.stats();
+        let mut sums = [[0i64; 6]; 3];
+        for seg in &snap.segments {
+            for i in [0, seg.pool as usize] {
+                sums[i][0] += seg.total_size as i64;
+                sums[i][1] += seg.allocated_size as i64;
+                sums[i][2] += seg.active_size as i64;
+                sums[i][3] += seg.requested_size as i64;
+                for b in &seg.blocks {
+                    if b.state == BlockState::ActiveAllocated {
+                        sums[i][4] += 1;
+                    }
+                    if b.state != BlockState::Inactive {
+                        sums[i][5] += 1;
+                    }
+                }
+            }
+        }
+        for (i, sum) in sums.iter().enumerate() {
+            let got = [
+                s.reserved_bytes.0[i].current,
+                s.allocated_bytes.0[i].current,
+                s.active_bytes.0[i].current,
+                s.requested_bytes.0[i].current,
+                s.allocation.0[i].current,
+                s.active.0[i].current,
+            ];
+            assert_eq!(&got, sum, "step {step}, pool {i}: stats vs snapshot");
+        }
+    };
+    for step in 0..400 {
+        if !live.is_empty() && rnd(10) < 4 {
+            let p = live.swap_remove(rnd(live.len() as u64) as usize);
+            a.free(p).unwrap();
+        } else {
+            let n = if step % 3 == 0 {
+                1 + rnd(4096)
+            } else {
+                1 + rnd(24 * MIB)
+            };
+            match a.allocate(n, rnd(2)) {
+                Ok(p) => live.push(p),
+                Err(Error::OutOfMemory(_)) => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+        check(&a, step);
+        if step % 97 == 96 {
+            a.empty_cache().unwrap();
+            check(&a, step);
+        }
+    }
+    for p in live {
+        a.free(p).unwrap();
+    }
+    check(&a, 400);
     a.verify().unwrap();
 }

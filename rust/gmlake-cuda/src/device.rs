@@ -3,10 +3,11 @@
 use crate::driver::{self, CuResult, Driver};
 use cudarc::driver::sys as cu;
 use gmlake_core::{
-    Device, DeviceError, DevicePtr, DeviceResult, EventHandle, PhysHandle, StreamId,
+    Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostPtr, PhysHandle, StreamId,
 };
 use parking_lot::{Mutex, RwLock};
 use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::BTreeMap;
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -149,6 +150,16 @@ pub struct CudaDevice {
     /// released, because an importing process duplicates them (`pidfd_getfd`) at a time the
     /// exporter cannot know.
     exported: Mutex<FxHashMap<u64, i32>>,
+    /// Pinned host buffers made by `alloc_host`, by start address.
+    host: Mutex<BTreeMap<u64, HostBuf>>,
+}
+
+/// A pinned host buffer and, per stream that copied to or from it, an event recorded after
+/// its last copy there: `free_host` waits for them, so the driver never writes host memory
+/// that was given back.
+struct HostBuf {
+    size: usize,
+    fences: Vec<(StreamId, cu::CUevent)>,
 }
 
 // SAFETY: the raw pointers inside (the primary context handle, and the null
@@ -288,6 +299,7 @@ impl CudaDevice {
             peers: Mutex::new(Vec::new()),
             events: Mutex::new(FxHashSet::default()),
             exported: Mutex::new(FxHashMap::default()),
+            host: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -463,6 +475,87 @@ impl CudaDevice {
         Ok(())
     }
 
+    fn host_calls(&self, call: &'static str) -> DeviceResult<&'static driver::HostCalls> {
+        self.drv.host.as_ref().ok_or(DeviceError::Unsupported(call))
+    }
+
+    /// Checks that [ptr, ptr + len) lies inside one pinned buffer of `bufs`; returns its start.
+    fn host_range(
+        bufs: &BTreeMap<u64, HostBuf>,
+        ptr: HostPtr,
+        len: usize,
+        call: &str,
+    ) -> DeviceResult<u64> {
+        match bufs.range(..=ptr.0).next_back() {
+            Some((&start, b))
+                if ptr
+                    .0
+                    .checked_add(len as u64)
+                    .is_some_and(|end| end <= start + b.size as u64) =>
+            {
+                Ok(start)
+            }
+            _ => invalid(format!(
+                "{call} of {len} bytes at host address {:#x}: not inside a pinned buffer of \
+                 this device",
+                ptr.0
+            )),
+        }
+    }
+
+    /// Records (creating it on first use) the fence event of buffer `buf` on `stream`, after
+    /// a copy just queued there. A context of this device is current.
+    fn fence_host(&self, buf: &mut HostBuf, stream: StreamId) -> DeviceResult<()> {
+        let ev = match buf.fences.iter().find(|f| f.0 == stream) {
+            Some(&(_, ev)) => ev,
+            None => {
+                let mut ev: cu::CUevent = std::ptr::null_mut();
+                // SAFETY: `ev` is a valid out-pointer; the flag is a declared CUevent_flags
+                // value; a context of this device is current.
+                self.drv.check("cuEventCreate", unsafe {
+                    (self.drv.event_create)(
+                        &mut ev,
+                        cu::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
+                    )
+                })?;
+                buf.fences.push((stream, ev));
+                ev
+            }
+        };
+        // SAFETY: `ev` is a live event created above (destroyed only when the buffer is freed,
+        // under the host lock the caller holds); the stream follows the contract on `CudaDevice`.
+        self.drv.check("cuEventRecord", unsafe {
+            (self.drv.event_record)(ev, stream as usize as cu::CUstream)
+        })
+    }
+
+    /// Waits for the copies of a buffer taken out of the live set, destroys its fences and
+    /// frees it. A context of this device is current.
+    fn release_host(&self, start: u64, buf: HostBuf) -> DeviceResult<()> {
+        let calls = self.host_calls("free_host")?;
+        let mut first_err = None;
+        for (_, ev) in buf.fences {
+            // SAFETY: `ev` is a live event created by `fence_host`, owned by this buffer,
+            // which no other thread can reach any more (it left the live set under the lock).
+            let r = unsafe { (calls.event_synchronize)(ev) };
+            if let Err(e) = self.drv.check("cuEventSynchronize", r) {
+                first_err.get_or_insert(e);
+            }
+            // SAFETY: as above; the event is not used after this.
+            let _ = unsafe { (self.drv.event_destroy)(ev) };
+        }
+        if let Some(e) = first_err {
+            // A copy may still be in flight: leak the buffer rather than free it under the DMA.
+            return Err(e);
+        }
+        // SAFETY: `start` was returned by cuMemHostAlloc (it was in the live set) and is freed
+        // once (it left the set); every copy queued on it has completed (its fences were waited
+        // for above), so the driver no longer accesses it.
+        self.drv.check("cuMemFreeHost", unsafe {
+            (calls.mem_free_host)(start as usize as *mut c_void)
+        })
+    }
+
     fn create_with(
         &self,
         size: usize,
@@ -493,6 +586,14 @@ impl Drop for CudaDevice {
         }
         for (_, fd) in self.exported.get_mut().drain() {
             crate::pidfd::close_fd(fd);
+        }
+        let bufs = std::mem::take(self.host.get_mut());
+        if !bufs.is_empty() {
+            if let Ok(_ctx) = self.bind() {
+                for (start, buf) in bufs {
+                    let _ = self.release_host(start, buf);
+                }
+            }
         }
         // SAFETY: balances the cuDevicePrimaryCtxRetain in `new`; `self` is going away, so the
         // context handle is not used again by us.
@@ -709,5 +810,98 @@ impl Device for CudaDevice {
         // primary context, which the CUDA runtime and PyTorch also use).
         self.drv
             .check("cuCtxSynchronize", unsafe { (self.drv.ctx_synchronize)() })
+    }
+
+    fn alloc_host(&self, size: usize) -> DeviceResult<HostPtr> {
+        let calls = self.host_calls("alloc_host")?;
+        if size == 0 {
+            return invalid("pinned host allocation of 0 bytes".into());
+        }
+        let _ctx = self.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `p` is a valid out-pointer; flags 0 (CU_MEMHOSTALLOC default: pinned,
+        // page-locked memory of the current context, this device's primary context).
+        let r = unsafe { (calls.mem_host_alloc)(&mut p, size, 0) };
+        match r {
+            driver::SUCCESS if !p.is_null() => {
+                self.host.lock().insert(
+                    p as usize as u64,
+                    HostBuf {
+                        size,
+                        fences: Vec::new(),
+                    },
+                );
+                Ok(HostPtr(p as usize as u64))
+            }
+            driver::ERROR_OUT_OF_MEMORY => Err(DeviceError::OutOfMemory),
+            driver::SUCCESS => Err(self
+                .drv
+                .error("cuMemHostAlloc", driver::ERROR_INVALID_VALUE)),
+            _ => Err(self.drv.error("cuMemHostAlloc", r)),
+        }
+    }
+
+    fn free_host(&self, ptr: HostPtr) -> DeviceResult<()> {
+        self.host_calls("free_host")?;
+        let Some(buf) = self.host.lock().remove(&ptr.0) else {
+            return invalid(format!("free of unknown pinned host buffer {:#x}", ptr.0));
+        };
+        let _ctx = self.bind()?;
+        self.release_host(ptr.0, buf)
+    }
+
+    fn copy_d2h_async(
+        &self,
+        dst: HostPtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        let calls = self.host_calls("copy_d2h_async")?;
+        let mut bufs = self.host.lock();
+        let start = Self::host_range(&bufs, dst, len, "copy_d2h_async")?;
+        let _ctx = self.bind()?;
+        // SAFETY: [dst, dst + len) lies inside a live pinned buffer of this device (checked
+        // above); it stays allocated until the copy has completed, because `free_host` waits
+        // for the fence recorded below (the host lock, held across, keeps the buffer live until
+        // the fence is recorded). The driver validates the device range (a bad one is an error
+        // code or a GPU fault, not host memory corruption). The stream follows the contract on
+        // `CudaDevice`.
+        self.drv.check("cuMemcpyDtoHAsync", unsafe {
+            (calls.memcpy_dtoh_async)(
+                dst.0 as usize as *mut c_void,
+                src,
+                len,
+                stream as usize as cu::CUstream,
+            )
+        })?;
+        let buf = bufs.get_mut(&start).expect("buffer checked above");
+        self.fence_host(buf, stream)
+    }
+
+    fn copy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: HostPtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        let calls = self.host_calls("copy_h2d_async")?;
+        let mut bufs = self.host.lock();
+        let start = Self::host_range(&bufs, src, len, "copy_h2d_async")?;
+        let _ctx = self.bind()?;
+        // SAFETY: as for copy_d2h_async: the host range lies in a live pinned buffer kept
+        // alive until the fence recorded below has completed; the driver validates the device
+        // range; the stream follows the contract on `CudaDevice`.
+        self.drv.check("cuMemcpyHtoDAsync", unsafe {
+            (calls.memcpy_htod_async)(
+                dst,
+                src.0 as usize as *const c_void,
+                len,
+                stream as usize as cu::CUstream,
+            )
+        })?;
+        let buf = bufs.get_mut(&start).expect("buffer checked above");
+        self.fence_host(buf, stream)
     }
 }

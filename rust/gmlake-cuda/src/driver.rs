@@ -91,6 +91,20 @@ pub(crate) struct Driver {
     pub event_destroy: unsafe extern "C" fn(cu::CUevent) -> CuResult,
     pub event_record: unsafe extern "C" fn(cu::CUevent, cu::CUstream) -> CuResult,
     pub event_query: unsafe extern "C" fn(cu::CUevent) -> CuResult,
+    /// Pinned host memory and asynchronous copies, for the host tier. Optional: a driver (or
+    /// a mock) without them still serves the allocator; the calls then report `Unsupported`.
+    pub host: Option<HostCalls>,
+}
+
+/// The entry points of pinned host memory and stream-ordered copies.
+pub(crate) struct HostCalls {
+    pub mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult,
+    pub mem_free_host: unsafe extern "C" fn(*mut c_void) -> CuResult,
+    pub memcpy_dtoh_async:
+        unsafe extern "C" fn(*mut c_void, cu::CUdeviceptr, usize, cu::CUstream) -> CuResult,
+    pub memcpy_htod_async:
+        unsafe extern "C" fn(cu::CUdeviceptr, *const c_void, usize, cu::CUstream) -> CuResult,
+    pub event_synchronize: unsafe extern "C" fn(cu::CUevent) -> CuResult,
 }
 
 /// Resolves the first of `names` that libcuda exports, as a function pointer of type `$ty`.
@@ -315,6 +329,47 @@ fn load() -> Result<Driver, String> {
             unsafe extern "C" fn(cu::CUevent) -> CuResult,
             "cuEventQuery"
         ),
+        // Resolved apart: when one is missing, only the host tier is unavailable.
+        host: (|| -> Result<HostCalls, String> {
+            Ok(HostCalls {
+                mem_host_alloc: resolve!(
+                    lib,
+                    unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> CuResult,
+                    "cuMemHostAlloc"
+                ),
+                mem_free_host: resolve!(
+                    lib,
+                    unsafe extern "C" fn(*mut c_void) -> CuResult,
+                    "cuMemFreeHost"
+                ),
+                memcpy_dtoh_async: resolve!(
+                    lib,
+                    unsafe extern "C" fn(
+                        *mut c_void,
+                        cu::CUdeviceptr,
+                        usize,
+                        cu::CUstream,
+                    ) -> CuResult,
+                    "cuMemcpyDtoHAsync_v2"
+                ),
+                memcpy_htod_async: resolve!(
+                    lib,
+                    unsafe extern "C" fn(
+                        cu::CUdeviceptr,
+                        *const c_void,
+                        usize,
+                        cu::CUstream,
+                    ) -> CuResult,
+                    "cuMemcpyHtoDAsync_v2"
+                ),
+                event_synchronize: resolve!(
+                    lib,
+                    unsafe extern "C" fn(cu::CUevent) -> CuResult,
+                    "cuEventSynchronize"
+                ),
+            })
+        })()
+        .ok(),
     })
 }
 

@@ -9,7 +9,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-use gmlake_core::{EventHandle, PhysHandle};
+use gmlake_core::{EventHandle, HostPtr, PhysHandle};
 use gmlake_cuda::{CudaDevice, Device, DeviceError};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -37,7 +37,11 @@ fn mock_driver_scenarios() {
         .join(format!("gmlake-cuda-mock-{}", std::process::id()));
     let full = base.join("full");
     let old = base.join("old");
-    if !compile(&src, &full, &[]) || !compile(&src, &old, &["-DMOCK_OMIT_MEMMAP"]) {
+    let no_host = base.join("no_host");
+    if !compile(&src, &full, &[])
+        || !compile(&src, &old, &["-DMOCK_OMIT_MEMMAP"])
+        || !compile(&src, &no_host, &["-DMOCK_OMIT_HOST"])
+    {
         eprintln!("skipping the mock driver tests: no working C compiler (cc)");
         return;
     }
@@ -54,6 +58,7 @@ fn mock_driver_scenarios() {
         ),
         ("init_fail", &full, &[("MOCK_CUDA_INIT_FAIL", "100")]),
         ("missing_symbol", &old, &[]),
+        ("no_host", &no_host, &[]),
     ];
     for (name, dir, env) in scenarios {
         let mut cmd = Command::new(&exe);
@@ -151,6 +156,14 @@ impl Mock {
                 .unwrap()()
         }
     }
+    fn host_live(&self) -> i64 {
+        // SAFETY: (test) prototype as in libcuda_mock.c.
+        unsafe {
+            self.lib
+                .get::<unsafe extern "C" fn() -> i64>(b"mock_host_live")
+                .unwrap()()
+        }
+    }
     fn live_mappings(&self) -> i32 {
         // SAFETY: (test) prototype as in libcuda_mock.c.
         unsafe {
@@ -183,6 +196,7 @@ fn mock_inner() {
             Err(DeviceError::Unavailable(m)) => assert!(m.contains("cuMemMap"), "{m}"),
             other => panic!("expected Unavailable, got {other:?}"),
         },
+        "no_host" => no_host(),
         s => panic!("unknown scenario {s}"),
     }
     println!("scenario {scenario} ok");
@@ -348,6 +362,8 @@ fn normal() {
     ));
     let _leaked = d.create_event().unwrap(); // destroyed by Drop
 
+    host_round_trip(&mock, &d);
+
     // Context handling. This thread has had no context of its own: the device's stays current.
     assert_eq!(mock.current(), mock.ctx_of(0));
     let before = mock.set_current_calls();
@@ -394,8 +410,10 @@ fn normal() {
     }
 
     let d = std::sync::Arc::into_inner(shared).unwrap();
+    assert_eq!(mock.host_live(), 1);
     drop(d);
     assert_eq!(mock.primary_refs(0), 0, "Drop releases the primary context");
+    assert_eq!(mock.host_live(), 0, "Drop frees pinned buffers");
 }
 
 fn no_fd_create() {
@@ -414,5 +432,70 @@ fn no_fd_attr() {
     assert!(!d.exportable());
     let h = d.create_physical(MIB2).unwrap();
     assert!(matches!(d.export_fd(h), Err(DeviceError::Unavailable(_))));
+    d.release_physical(h).unwrap();
+}
+
+/// Pinned host memory and stream-ordered copies: a round trip through device pages, range
+/// checks on the host side, and buffers freed (after their fences) on `free_host` and drop.
+fn host_round_trip(mock: &Mock, d: &CudaDevice) {
+    let h = d.create_physical(MIB2).unwrap();
+    let va = d.reserve_va(MIB2, 0).unwrap();
+    d.map(va, MIB2, h).unwrap();
+    d.set_access(va, MIB2).unwrap();
+    let len = 64 << 10;
+    let a = d.alloc_host(len).unwrap();
+    let b = d.alloc_host(len).unwrap();
+    assert_eq!(mock.host_live(), 2);
+    let pattern: Vec<u8> = (0..len).map(|i| (i * 7 + 3) as u8).collect();
+    // SAFETY: (test) `a` is a live pinned buffer of `len` bytes that no copy uses now.
+    unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), a.0 as usize as *mut u8, len) };
+    d.copy_h2d_async(va + 4096, a, len, 0x5157).unwrap();
+    d.copy_d2h_async(b, va + 4096, len, 0x5157).unwrap();
+    d.synchronize().unwrap();
+    // SAFETY: (test) `b` is a live pinned buffer of `len` bytes; its copy has completed.
+    let got = unsafe { std::slice::from_raw_parts(b.0 as usize as *const u8, len) };
+    assert_eq!(got, &pattern[..]);
+    // Host ranges outside the device's buffers never reach the driver.
+    assert!(matches!(
+        d.copy_d2h_async(HostPtr(b.0 + 1), va, len, 0),
+        Err(DeviceError::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        d.copy_h2d_async(va, HostPtr(0x1000), 16, 0),
+        Err(DeviceError::InvalidArgument(_))
+    ));
+    // A bad device range or stream is the driver's error.
+    assert!(matches!(
+        d.copy_d2h_async(b, 0xdead_0000_0000, 16, 0),
+        Err(DeviceError::Driver { .. })
+    ));
+    assert!(matches!(
+        d.copy_d2h_async(b, va, 16, 0x7777),
+        Err(DeviceError::Driver { .. })
+    ));
+    d.free_host(a).unwrap();
+    assert!(matches!(
+        d.free_host(a),
+        Err(DeviceError::InvalidArgument(_))
+    ));
+    assert_eq!(mock.host_live(), 1);
+    d.unmap(va, MIB2).unwrap();
+    d.free_va(va, MIB2).unwrap();
+    d.release_physical(h).unwrap();
+    // `b` is freed when the device goes.
+}
+
+fn no_host() {
+    let d = CudaDevice::new(0).unwrap();
+    assert_eq!(
+        d.alloc_host(4096),
+        Err(DeviceError::Unsupported("alloc_host"))
+    );
+    assert_eq!(
+        d.copy_h2d_async(0, HostPtr(0x1000), 16, 0),
+        Err(DeviceError::Unsupported("copy_h2d_async"))
+    );
+    // The allocator's calls work as ever.
+    let h = d.create_physical(MIB2).unwrap();
     d.release_physical(h).unwrap();
 }

@@ -52,6 +52,15 @@ impl PeerAccess for gmlake_cuda::CudaDevice {
 pub trait Core: Send + Sync {
     fn allocate(&self, size: u64, stream: StreamId) -> Result<DevicePtr>;
     fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr>;
+    fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<DevicePtr>;
+    fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()>;
+    fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>>;
     fn allocate_at(
         &self,
         ptr: DevicePtr,
@@ -77,6 +86,7 @@ pub trait Core: Send + Sync {
     fn take_history(&self) -> Vec<TraceEvent>;
     fn page_size(&self) -> u64;
     fn config(&self) -> Config;
+    fn debug_note_canary_error(&self);
     fn device_free(&self) -> DeviceResult<usize>;
     fn device_total(&self) -> DeviceResult<usize>;
     fn limit(&self) -> Option<u64>;
@@ -100,6 +110,21 @@ impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
     }
     fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr> {
         Allocator::allocate_in(self, size, stream, pool)
+    }
+    fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<DevicePtr> {
+        Allocator::allocate_rounded(self, size, rounded, stream, pool)
+    }
+    fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()> {
+        Allocator::clear_stream_uses(self, ptr)
+    }
+    fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>> {
+        Allocator::stream_uses(self, ptr)
     }
     fn allocate_at(
         &self,
@@ -161,6 +186,9 @@ impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
     }
     fn config(&self) -> Config {
         Allocator::config(self)
+    }
+    fn debug_note_canary_error(&self) {
+        Allocator::debug_note_canary_error(self)
     }
     fn device_free(&self) -> DeviceResult<usize> {
         self.device().free_memory()

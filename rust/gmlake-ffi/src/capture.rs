@@ -178,6 +178,30 @@ impl<D: Device> Device for CaptureAware<D> {
         }
         self.inner.synchronize()
     }
+    fn alloc_host(&self, size: usize) -> DeviceResult<gmlake_core::HostPtr> {
+        self.inner.alloc_host(size)
+    }
+    fn free_host(&self, ptr: gmlake_core::HostPtr) -> DeviceResult<()> {
+        self.inner.free_host(ptr)
+    }
+    fn copy_d2h_async(
+        &self,
+        dst: gmlake_core::HostPtr,
+        src: DevicePtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        self.inner.copy_d2h_async(dst, src, len, stream)
+    }
+    fn copy_h2d_async(
+        &self,
+        dst: DevicePtr,
+        src: gmlake_core::HostPtr,
+        len: usize,
+        stream: StreamId,
+    ) -> DeviceResult<()> {
+        self.inner.copy_h2d_async(dst, src, len, stream)
+    }
 }
 
 #[cfg(test)]

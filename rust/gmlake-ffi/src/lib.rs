@@ -230,6 +230,24 @@ pub mod ffi {
             pool_first: u64,
             pool_second: u64,
         ) -> AllocOutcome;
+        /// Places `rounded` bytes for a request of `size` (the caller's rounding: PyTorch's
+        /// `roundup_power2_divisions`, or whole pages), in pool (pool_first, pool_second)
+        /// when `in_pool`, else in the default pool.
+        fn allocate_rounded(
+            self: &Gmlake,
+            size: u64,
+            rounded: u64,
+            stream: u64,
+            pool_first: u64,
+            pool_second: u64,
+            in_pool: bool,
+        ) -> AllocOutcome;
+        /// Forgets the streams a live allocation was recorded on (a CUDA graph capture
+        /// proved them ordered before later work of its stream); status as free_ptr's.
+        fn clear_stream_uses(self: &Gmlake, ptr: u64) -> FreeOutcome;
+        /// The streams a live allocation was recorded on besides its own (empty when none,
+        /// or when `ptr` is not a live allocation).
+        fn stream_uses(self: &Gmlake, ptr: u64) -> Vec<u64>;
         /// Makes [ptr, ptr + size) a live allocation of pool (pool_first, pool_second) again
         /// (a CUDA graph tree checkpoint restore); the range must be free and mapped there.
         fn allocate_at(
@@ -263,6 +281,12 @@ pub mod ffi {
         fn take_history(self: &Gmlake) -> Result<Vec<TraceRecord>>;
         fn page_size(self: &Gmlake) -> Result<u64>;
         fn config(self: &Gmlake) -> Result<Vec<KeyValue>>;
+        /// The memory debugging mode: bit 0 guard pages, 1 canaries, 2 poison, 3 quarantine,
+        /// 4 front guard pages; 0 when off.
+        fn debug_mode(self: &Gmlake) -> Result<u32>;
+        /// Debug mode: a damaged canary was found (counted in the stats, logged through
+        /// `tracing` with `report`).
+        fn debug_canary_error(self: &Gmlake, report: &str) -> Result<()>;
         /// Whether requests of `size` bytes may be stitched under the configuration.
         fn may_stitch(self: &Gmlake, size: u64) -> Result<bool>;
         fn memory_info(self: &Gmlake) -> Result<MemInfo>;
@@ -648,6 +672,36 @@ impl Gmlake {
         })
     }
 
+    fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: u64,
+        pool_first: u64,
+        pool_second: u64,
+        in_pool: bool,
+    ) -> AllocOutcome {
+        let pool = if in_pool {
+            GraphPoolId(pool_first, pool_second)
+        } else {
+            GraphPoolId::DEFAULT
+        };
+        self.alloc_common(size, |c| c.allocate_rounded(size, rounded, stream, pool))
+    }
+
+    fn stream_uses(&self, ptr: u64) -> Vec<u64> {
+        guard("stream_uses", || {
+            Ok(self.core.stream_uses(ptr).unwrap_or_default())
+        })
+        .unwrap_or_default()
+    }
+
+    fn clear_stream_uses(&self, ptr: u64) -> FreeOutcome {
+        free_outcome(guard("clear_stream_uses", || {
+            Ok(self.core.clear_stream_uses(ptr))
+        }))
+    }
+
     fn allocate_at(
         &self,
         ptr: u64,
@@ -816,6 +870,18 @@ impl Gmlake {
 
     fn config(&self) -> Result<Vec<KeyValue>, String> {
         guard("config", || Ok(pairs(&self.core.config())))
+    }
+
+    fn debug_mode(&self) -> Result<u32, String> {
+        guard("debug_mode", || Ok(self.core.config().debug.mode_bits()))
+    }
+
+    fn debug_canary_error(&self, report: &str) -> Result<(), String> {
+        guard("debug_canary_error", || {
+            self.core.debug_note_canary_error();
+            tracing::error!(device = self.ordinal, "gmlake debug: {report}");
+            Ok(())
+        })
     }
 
     fn may_stitch(&self, size: u64) -> Result<bool, String> {

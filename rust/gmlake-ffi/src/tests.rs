@@ -166,6 +166,29 @@ fn memory_fraction_round_trip() {
     a.set_memory_fraction(0.5).unwrap();
     assert_eq!(a.memory_fraction().unwrap(), 0.5);
     assert!(a.set_memory_fraction(1.5).is_err());
+    a.set_memory_fraction(0.0).unwrap();
+    assert_eq!(a.memory_fraction().unwrap(), 0.0);
+}
+
+#[test]
+fn allocate_rounded_places_the_rounded_size() {
+    let a = sim(GIB, "");
+    let r = a.allocate_rounded(1000, 4096, 7, 0, 0, false);
+    assert_eq!(r.status, 0, "{}", r.message);
+    let rec = a.allocation(r.ptr).unwrap();
+    assert_eq!((rec.size, rec.requested), (4096, 1000));
+    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    a.begin_capture(5, 0).unwrap();
+    let r = a.allocate_rounded(1000, 2 << 20, 7, 5, 0, true);
+    assert_eq!(r.status, 0, "{}", r.message);
+    let rec = a.allocation(r.ptr).unwrap();
+    assert_eq!((rec.size, rec.pool_first), (2 << 20, 5));
+    a.record_stream(r.ptr, 9);
+    assert_eq!(a.stream_uses(r.ptr), vec![9]);
+    assert_eq!(a.clear_stream_uses(r.ptr).status, 0);
+    assert!(a.stream_uses(r.ptr).is_empty());
+    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    a.end_capture(5, 0).unwrap();
 }
 
 #[test]
@@ -255,8 +278,9 @@ fn json_keys(j: &str) -> Vec<String> {
 }
 
 /// python/tests/data/stats-sim.json (what the metrics tests feed their stub) has the keys of
-/// the real statistics: regenerate it when they change (16 allocations of 24 MiB, every other
-/// one freed, then 100 MiB, on a simulated 1 GiB device: the stats JSON of that).
+/// the real statistics: when they change, regenerate it with
+/// `GMLAKE_UPDATE_FIXTURES=1 cargo test -p gmlake-ffi the_python_stats_fixture` (16
+/// allocations of 24 MiB, every other one freed, then 100 MiB, on a simulated 1 GiB device).
 #[test]
 fn the_python_stats_fixture_has_the_real_keys() {
     let fixture = include_str!("../../../python/tests/data/stats-sim.json");
@@ -270,7 +294,62 @@ fn the_python_stats_fixture_has_the_real_keys() {
     }
     assert_eq!(a.allocate(100 * MIB, 0).status, 0);
     let live = a.stats_json().unwrap();
+    if std::env::var_os("GMLAKE_UPDATE_FIXTURES").is_some() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../python/tests/data/stats-sim.json"
+        );
+        std::fs::write(path, format!("{live}\n")).unwrap();
+        return;
+    }
     assert!(json_keys(fixture).len() > 100, "{fixture}");
     assert_eq!(json_keys(fixture), json_keys(&live));
     assert!(live.contains("\"gmlake.stitches\":1"), "{live}");
+}
+
+#[test]
+fn debug_mode_through_the_bridge() {
+    let off = sim(GIB, "");
+    assert_eq!(off.debug_mode().unwrap(), 0);
+    assert!(!off
+        .config()
+        .unwrap()
+        .iter()
+        .any(|kv| kv.key.starts_with("debug")));
+    let e = check_conf("debug:guard+sparkles").unwrap_err();
+    assert!(e.contains("debug") && e.contains("sparkles"), "{e}");
+    let g = sim(GIB, "debug:guard+canary+poison");
+    assert_eq!(g.debug_mode().unwrap(), 0b111);
+    let big = g.allocate(4 * MIB + 100, 0);
+    assert_eq!(big.status, 0, "{}", big.message);
+    let a = g.allocation(big.ptr + 10).unwrap();
+    assert!(a.found && a.ptr == big.ptr && a.requested == 4 * MIB + 100);
+    assert_eq!(
+        (big.ptr + a.size) % (2 * MIB),
+        0,
+        "a guarded block ends at its mapped end"
+    );
+    let small = g.allocate(1000, 0);
+    let a = g.allocation(small.ptr).unwrap();
+    assert_eq!((a.size, a.requested), (1536, 1000), "padded for the canary");
+    g.debug_canary_error("test report").unwrap();
+    let json = g.stats_json().unwrap();
+    for k in [
+        "\"gmlake.debug_guarded\":1",
+        "\"gmlake.debug_guard_bytes\":2097152",
+        "\"gmlake.debug_canary_errors\":1",
+    ] {
+        assert!(json.contains(k), "{k} not in {json}");
+    }
+    assert_eq!(g.free_ptr(big.ptr).status, 0);
+    assert_eq!(g.free_ptr(small.ptr).status, 0);
+    let q = sim(GIB, "debug:all");
+    assert_eq!(q.debug_mode().unwrap(), 0b1111);
+    let kv = q.config().unwrap();
+    let get = |k: &str| kv.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
+    assert_eq!(
+        get("debug").as_deref(),
+        Some("guard+canary+poison+quarantine")
+    );
+    assert_eq!(get("debug_quarantine").as_deref(), Some("256"));
 }

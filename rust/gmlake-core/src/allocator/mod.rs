@@ -132,6 +132,8 @@ struct State {
     stats: DeviceStats,
     history_cap: usize,
     history: VecDeque<TraceEvent>,
+    /// The memory debugging mode; `None` when off (see `debug.rs`).
+    debug: Option<Box<debug::DebugState>>,
 }
 
 /// The allocator for one device. `Send + Sync`; every operation takes one lock briefly.
@@ -149,12 +151,49 @@ macro_rules! drv {
     }};
 }
 
+mod debug;
 mod pages;
 mod release;
 mod report;
 mod streams;
 
 use streams::{Fence, PendingFree, RetiredBatch};
+
+/// Free mapped blocks (count, bytes) of an arena that lie in runs of mapped blocks with no
+/// active block.
+fn whole_free_runs(a: &Arena) -> (u64, u64) {
+    let (mut total_c, mut total_b) = (0u64, 0u64);
+    let (mut run_c, mut run_b, mut run_live, mut end) = (0u64, 0u64, false, u64::MAX);
+    let mut close = |c: u64, b: u64, live: bool| {
+        if !live {
+            total_c += c;
+            total_b += b;
+        }
+    };
+    for (addr, b) in a.blocks() {
+        let (free, live) = match b.state {
+            ArenaState::Live => (false, true),
+            ArenaState::FreeMapped { .. } | ArenaState::Quick { .. } => (true, false),
+            _ => {
+                close(run_c, run_b, run_live);
+                (run_c, run_b, run_live, end) = (0, 0, false, u64::MAX);
+                continue;
+            }
+        };
+        if addr != end {
+            close(run_c, run_b, run_live);
+            (run_c, run_b, run_live) = (0, 0, false);
+        }
+        if free {
+            run_c += 1;
+            run_b += b.size;
+        }
+        run_live |= live;
+        end = addr + b.size;
+    }
+    close(run_c, run_b, run_live);
+    (total_c, total_b)
+}
 
 fn round_request(size: u64) -> Result<u64> {
     if size > MAX_REQUEST {
@@ -187,6 +226,7 @@ impl<D: Device> Allocator<D> {
         }
         let total = device.total_memory()? as u64;
         let chunk_size = total.div_ceil(page).max(64) * page;
+        let debug = debug::DebugState::new(&config.debug, page);
         let mut state = State {
             cfg: config,
             page,
@@ -212,6 +252,7 @@ impl<D: Device> Allocator<D> {
             },
             history_cap: 0,
             history: VecDeque::new(),
+            debug,
         };
         state.update_limit();
         tracing::debug!(page, total, "gmlake allocator created");
@@ -246,10 +287,62 @@ impl<D: Device> Allocator<D> {
         if size == 0 {
             return Ok(0);
         }
-        let rounded = round_request(size)?;
+        round_request(size)?;
+        let mut st = self.state.lock();
+        let rounded = st.cfg.round_size(size);
+        match st.allocate(&self.device, size, rounded, stream, pool) {
+            // Debug mode: the quarantine and spare guard pages go back before giving up.
+            Err(Error::OutOfMemory(_)) if st.debug_flush(&self.device, true)? => {
+                st.allocate(&self.device, size, rounded, stream, pool)
+            }
+            r => r,
+        }
+    }
+
+    /// As [`Allocator::allocate_in`], placing `rounded` bytes (at least `size`, rounded up to
+    /// 512 bytes here) for a request of `size`: the caller applies its own rounding
+    /// (PyTorch's `roundup_power2_divisions`, or whole pages for a pool that must not share
+    /// pages between allocations). Statistics count `size` as requested, `rounded` as
+    /// allocated.
+    pub fn allocate_rounded(
+        &self,
+        size: u64,
+        rounded: u64,
+        stream: StreamId,
+        pool: GraphPoolId,
+    ) -> Result<DevicePtr> {
+        if size == 0 {
+            return Ok(0);
+        }
+        let rounded = round_request(rounded.max(size))?;
         self.state
             .lock()
             .allocate(&self.device, size, rounded, stream, pool)
+    }
+
+    /// The streams a live allocation was recorded on (`record_stream`), besides its own;
+    /// None for a pointer that is not a live allocation.
+    pub fn stream_uses(&self, ptr: DevicePtr) -> Option<Vec<StreamId>> {
+        let st = self.state.lock();
+        st.live
+            .get(&ptr)
+            .filter(|b| !b.pending)
+            .map(|b| b.extra.clone())
+    }
+
+    /// Forgets the streams a live allocation was recorded on (`record_stream`): a CUDA graph
+    /// capture proved, from the graph's dependencies, that every use on those streams is
+    /// ordered before any later work of the allocation's stream, so a free needs no event.
+    pub fn clear_stream_uses(&self, ptr: DevicePtr) -> Result<()> {
+        let mut st = self.state.lock();
+        match st.live.get_mut(&ptr) {
+            Some(b) if !b.pending => {
+                b.extra.clear();
+                Ok(())
+            }
+            Some(_) => Err(Error::DoubleFree(ptr)),
+            None => Err(Error::UnknownPointer(ptr)),
+        }
     }
 
     /// Makes [ptr, ptr + size) a live allocation again, as if `allocate_in(requested, stream,
@@ -280,7 +373,12 @@ impl<D: Device> Allocator<D> {
         if ptr == 0 {
             return Ok(());
         }
-        self.state.lock().free(&self.device, ptr)
+        let mut st = self.state.lock();
+        st.free(&self.device, ptr)?;
+        if st.debug.is_some() {
+            st.debug_after_free(&self.device)?;
+        }
+        Ok(())
     }
 
     /// Marks a live allocation as used on `stream` too: its memory is reused only after the
@@ -295,7 +393,7 @@ impl<D: Device> Allocator<D> {
                 Ok(())
             }
             Some(_) => Err(Error::DoubleFree(ptr)),
-            None => Err(Error::UnknownPointer(ptr)),
+            None => st.debug_record_stream(ptr, stream),
         }
     }
 
@@ -306,20 +404,27 @@ impl<D: Device> Allocator<D> {
         if st.captures > 0 {
             return Ok(());
         }
-        st.release_cached(&self.device)
+        st.release_cached(&self.device)?;
+        // Debug mode: the quarantine (pending frees just completed included) goes back too.
+        if st.debug_flush(&self.device, true)? {
+            st.release_cached(&self.device)?;
+        }
+        Ok(())
     }
 
     /// Caps reserved memory at `fraction` of the device (PyTorch's setMemoryFraction).
+    /// 0 allows nothing to be reserved; 1 removes the cap (`memory_fraction()` is None again).
     pub fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
+        if !(0.0..=1.0).contains(&fraction) {
             return Err(Error::InvalidConfig {
                 key: "memory_fraction".into(),
                 value: fraction.to_string(),
-                reason: "expected a fraction in (0, 1]".into(),
+                reason: "expected a fraction in [0, 1]".into(),
             });
         }
         let mut st = self.state.lock();
-        st.cfg.memory_fraction = Some(fraction);
+        // As PyTorch: 1 removes the cap.
+        st.cfg.memory_fraction = (fraction < 1.0).then_some(fraction);
         st.update_limit();
         Ok(())
     }
@@ -367,9 +472,22 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Statistics, with the derived fields (cached and retired bytes) filled in.
+    ///
+    /// `inactive_split` (current) counts, as PyTorch's, only free blocks that share their
+    /// segment (here: the run of mapped blocks) with an active block: a run that is free from
+    /// end to end is cached memory, not a split one. The running counters (peak, allocated,
+    /// freed) count every free mapped block.
     pub fn stats(&self) -> DeviceStats {
         let st = self.state.lock();
         let mut s = st.stats.clone();
+        for a in &st.arenas {
+            let (count, bytes) = whole_free_runs(a);
+            let kind = a.key.kind;
+            s.inactive_split.0[0].current -= count as i64;
+            s.inactive_split.0[kind as usize].current -= count as i64;
+            s.inactive_split_bytes.0[0].current -= bytes as i64;
+            s.inactive_split_bytes.0[kind as usize].current -= bytes as i64;
+        }
         s.cached_bytes = st.arenas.iter().map(|a| a.free_mapped_bytes).sum();
         s.retired_bytes = st
             .retired
@@ -382,6 +500,7 @@ impl<D: Device> Allocator<D> {
         let imp = self.imports.lock();
         s.ipc_imported_bytes = imp.bytes();
         s.ipc_imports = imp.len() as u64;
+        st.debug_stats(&mut s);
         s
     }
 
@@ -415,7 +534,9 @@ impl<D: Device> Allocator<D> {
     /// The live allocation containing `ptr` (interior pointers included).
     pub fn allocation(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
         let st = self.state.lock();
-        let (base, _) = st.live_containing(ptr)?;
+        let Some((base, _)) = st.live_containing(ptr) else {
+            return st.debug_allocation(ptr);
+        };
         let b = st.live.get(&base)?;
         let key = st.arenas[b.arena as usize].key;
         Some(AllocationInfo {
@@ -522,6 +643,11 @@ impl<D: Device> Allocator<D> {
         while st.history.len() > capacity {
             st.history.pop_front();
         }
+    }
+
+    /// Debug mode: counts a damaged canary found by the layer that checks them (C++).
+    pub fn debug_note_canary_error(&self) {
+        self.state.lock().debug_note_canary_error();
     }
 
     /// Takes the history recorded since the last call.
@@ -640,6 +766,13 @@ impl State {
         if !self.pending.is_empty() && self.captures == 0 {
             self.process_pending(dev, false)?;
         }
+        let size = match self.debug.is_some() {
+            false => size,
+            true => match self.debug_allocate(dev, requested, size, stream, pool)? {
+                debug::DebugAlloc::Placed(ptr) => return Ok(ptr),
+                debug::DebugAlloc::Size(padded) => padded,
+            },
+        };
         let kind = if size <= self.cfg.small_size {
             PoolKind::Small
         } else {
@@ -865,6 +998,11 @@ impl State {
     }
 
     fn free<D: Device>(&mut self, dev: &D, ptr: DevicePtr) -> Result<()> {
+        if self.debug.is_some() {
+            if let Some(r) = self.debug_free(dev, ptr) {
+                return r;
+            }
+        }
         let Some(b) = self.live.get(&ptr) else {
             return Err(
                 if self.live_containing(ptr).is_some()
@@ -908,6 +1046,9 @@ impl State {
     }
 
     fn finish_free(&mut self, ptr: DevicePtr) -> Result<()> {
+        if self.debug.is_some() && self.debug_hold(ptr) {
+            return self.debug_evict_blocks();
+        }
         let Some(b) = self.live.remove(&ptr) else {
             return Ok(());
         };

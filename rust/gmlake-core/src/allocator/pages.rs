@@ -304,7 +304,6 @@ impl State {
         aid: u32,
         exclude: Exclude,
     ) -> Result<Vec<PhysHandle>> {
-        let target_kind = self.arenas[aid as usize].key.kind;
         let mut got: Vec<PhysHandle> = Vec::with_capacity(k as usize);
         while (got.len() as u64) < k {
             let Some((src, addr, _)) = self.choose_source(aid, k - got.len() as u64, exclude)
@@ -312,7 +311,10 @@ impl State {
                 break;
             };
             let want = k - got.len() as u64;
-            let handles = self.lend_pages(src, addr, want, target_kind);
+            // Counted as mapped nowhere (large) until `map_pages` maps them in the target arena
+            // and moves their count to its pool (counting them in the target here counted them
+            // twice there when the pools differ).
+            let handles = self.lend_pages(src, addr, want, PoolKind::Large);
             if handles.is_empty() {
                 break;
             }

@@ -80,9 +80,12 @@ impl State {
         let mut handles = FxHashSet::default();
         let (mut alloc, mut alloc_bytes) = ([0i64; 3], [0i64; 3]);
         let (mut inactive, mut inactive_bytes) = ([0i64; 3], [0i64; 3]);
+        // Pages by the pool of the arena where they are active (mapped nowhere: large).
+        let mut pool_pages = [0i64; 3];
         for (aid, a) in self.arenas.iter().enumerate() {
             a.check()?;
             mapped += a.active_pages();
+            pool_pages[a.key.kind as usize] += a.active_pages() as i64;
             for (va, p) in a.pages_in(0, u64::MAX) {
                 if !handles.insert(p.handle) {
                     return Err(format!("handle {:?} mapped twice as active", p.handle));
@@ -147,6 +150,11 @@ impl State {
                 self.book.physical
             ));
         }
+        // Debug mode: guarded allocations and their pages live outside the arenas.
+        self.debug_verify()?;
+        let (guarded, guarded_bytes, held_ranges, debug_pages) = self.debug_counts();
+        alloc[2] += guarded;
+        alloc_bytes[2] += guarded_bytes;
         let s = &self.stats;
         let cur = |a: &crate::stats::StatArray, i: usize| a.0[i].current;
         for i in 1..3 {
@@ -161,12 +169,23 @@ impl State {
                 ));
             }
         }
-        if cur(&s.reserved_bytes, 0) != (self.book.physical * self.page) as i64
-            || cur(&s.segment, 0) != self.book.physical as i64
+        if cur(&s.reserved_bytes, 0) != ((self.book.physical + debug_pages) * self.page) as i64
+            || cur(&s.segment, 0) != (self.book.physical + debug_pages) as i64
         {
             return Err("reserved stats differ from pages held".into());
         }
-        let active_count = self.live.len() as i64;
+        pool_pages[PoolKind::Large as usize] +=
+            self.book.physical as i64 - mapped as i64 + debug_pages as i64;
+        for (i, &pages) in pool_pages.iter().enumerate().skip(1) {
+            if cur(&s.segment, i) != pages || cur(&s.reserved_bytes, i) != pages * self.page as i64
+            {
+                return Err(format!(
+                    "reserved stats of pool {i} ({} pages) differ from the pages active there ({pages})",
+                    cur(&s.segment, i)
+                ));
+            }
+        }
+        let active_count = self.live.len() as i64 + guarded + held_ranges;
         if cur(&s.active, 0) != active_count {
             return Err("active stats differ from recount".into());
         }

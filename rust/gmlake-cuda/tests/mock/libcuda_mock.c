@@ -9,7 +9,8 @@
  *   MOCK_CUDA_NO_FD=1            cuMemCreate refuses POSIX fd handle types (NOT_SUPPORTED)
  *   MOCK_CUDA_NO_FD_ATTR=1       the device reports no POSIX fd support
  *   MOCK_CUDA_MEM=<bytes>        device memory (default 64 MiB)
- * Compile with -DMOCK_OMIT_MEMMAP to leave cuMemMap out (a "driver too old").
+ * Compile with -DMOCK_OMIT_MEMMAP to leave cuMemMap out (a "driver too old"), and with
+ * -DMOCK_OMIT_HOST to leave out the host-memory calls of the host tier.
  * cuMemcpyHtoD_v2 / cuMemcpyDtoH_v2 copy through mappings (for tests/device.rs under the mock).
  * Helpers for the test (prefixed mock_) expose internal counters. Two devices. */
 #include <fcntl.h>
@@ -399,6 +400,41 @@ CUresult cuMemcpyHtoD_v2(unsigned long long dst, const void *src, size_t n) {
 CUresult cuMemcpyDtoH_v2(void *dst, unsigned long long src, size_t n) {
     return copy(dst, src, n, 0);
 }
+
+/* Pinned host memory and asynchronous copies (run at once: a stream of the mock has no
+ * queue). Compile with -DMOCK_OMIT_HOST to leave them out. */
+#ifndef MOCK_OMIT_HOST
+static long host_live;
+CUresult cuMemHostAlloc(void **pp, size_t size, unsigned flags) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    if (flags != 0 || size == 0) return INVALID_VALUE;
+    *pp = calloc(1, size);
+    if (!*pp) return OUT_OF_MEMORY;
+    __atomic_add_fetch(&host_live, 1, __ATOMIC_SEQ_CST);
+    return OK;
+}
+CUresult cuMemFreeHost(void *p) {
+    if (!has_ctx()) return INVALID_CONTEXT;
+    free(p);
+    __atomic_sub_fetch(&host_live, 1, __ATOMIC_SEQ_CST);
+    return OK;
+}
+CUresult cuMemcpyDtoHAsync_v2(void *dst, unsigned long long src, size_t n, void *stream) {
+    if (stream != 0 && (uintptr_t)stream != 0x5157) return INVALID_VALUE;
+    return copy(dst, src, n, 0);
+}
+CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *stream) {
+    if (stream != 0 && (uintptr_t)stream != 0x5157) return INVALID_VALUE;
+    return copy((char *)src, dst, n, 1);
+}
+CUresult cuEventSynchronize(void *ev) {
+    Event *e = ev;
+    if (!e || e->magic != EVENT_MAGIC) return INVALID_VALUE;
+    e->pending = 0;
+    return OK;
+}
+long mock_host_live(void) { return __atomic_load_n(&host_live, __ATOMIC_SEQ_CST); }
+#endif
 
 /* Test helpers. */
 int mock_primary_refs(int dev) { return primary_refs[dev]; }
