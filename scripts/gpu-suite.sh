@@ -24,6 +24,8 @@
 # Logs go to $OUT when set (else build/gpu-suite/): suite.log (pytest -v), junit.xml,
 # cases.log (every case's output), training.json, device-build.log, summary.txt.
 # GMLAKE_LIBRARY overrides the library tested; PYTHON the interpreter (default python3).
+# GMLAKE_WHEEL=.artifacts/wheel/gmlake-...whl: the suite from that wheel instead (installed
+# with pip install --no-deps --target; its package and library are what the cases use).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -49,8 +51,19 @@ LOG="${OUT:-$ROOT/build/gpu-suite}"
 mkdir -p "$LOG"
 export GMLAKE_GPU_OUT="$LOG"
 export GMLAKE_GPU_PYTHON="$PY"
-export GMLAKE_LIBRARY="${GMLAKE_LIBRARY:-$ART/libgmlake_torch.so}"
-export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${GMLAKE_WHEEL:-}" ]; then
+  # The suite from an installed wheel (scripts/build-wheel.sh): its package and library.
+  site="${GMLAKE_SITE:-/tmp/gmlake-suite-site}"
+  rm -rf "$site"
+  "$PY" -m pip install -q --no-deps --no-index --target "$site" "$GMLAKE_WHEEL" || { echo "gpu-suite: cannot install $GMLAKE_WHEEL" >&2; exit 2; }
+  export GMLAKE_GPU_PYDIR="$site" GMLAKE_PYTHON_DIR="$site"
+  export GMLAKE_LIBRARY="$site/gmlake/libgmlake_torch.so"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "gpu-suite: testing the wheel $(basename "$GMLAKE_WHEEL") installed in $site"
+else
+  export GMLAKE_LIBRARY="${GMLAKE_LIBRARY:-$ART/libgmlake_torch.so}"
+  export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONUNBUFFERED=1
 : >"$LOG/cases.log"
 start=$SECONDS

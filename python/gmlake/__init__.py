@@ -36,11 +36,22 @@ __all__ = [
     "build_info",
     "check_config",
     "conf_string",
+    "check_torch",
+    "serve_metrics",
+    "raw_stats",
+    "device_count",
     "debug_report",
     "debug_check",
 ]
 
-__version__ = "0.1.0"
+_BASE_VERSION = "0.1.0"
+try:  # written when a wheel is built (python/_build/gmlake_backend.py)
+    from . import _build_info  # type: ignore[attr-defined]
+
+    __version__: str = _build_info.__version__
+except ImportError:  # a source checkout used through PYTHONPATH=python
+    _build_info = None  # type: ignore[assignment]
+    __version__ = _BASE_VERSION
 
 _LIB_NAME = "libgmlake_torch.so"
 _lock = threading.Lock()
@@ -78,9 +89,48 @@ def library_path() -> str:
     raise RuntimeError(
         "gmlake: libgmlake_torch.so not found (tried: "
         + ", ".join(tried)
-        + "). Build it with scripts/build-torch-ext.sh or cmake (docs/pytorch.md), "
-        "or set GMLAKE_LIBRARY to its path."
+        + "). Install the package with its library (pip install <gmlake checkout>/python "
+        "--no-build-isolation), build it with scripts/build-torch-ext.sh or cmake "
+        "(docs/pytorch.md), or set GMLAKE_LIBRARY to its path."
     )
+
+
+def _packaged_library() -> Path:
+    return Path(__file__).resolve().parent / _LIB_NAME
+
+
+def check_torch(torch_version: str, cuda_version: Optional[str]) -> None:
+    """Raises ``RuntimeError`` naming both versions if the library installed with this package
+    was built for another torch (major.minor) or CUDA major version than the given ones.
+    Does nothing in a source checkout (no ``_build_info``); there the library checks itself."""
+    if _build_info is None:
+        return
+
+    def major_minor(v: str):
+        parts = str(v).split("+")[0].split(".")
+        try:
+            return int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            return None
+
+    built = tuple(_build_info.TORCH_MAJOR_MINOR)
+    built_cuda = _build_info.CUDA_VERSION
+    what = (
+        f"gmlake {__version__} was built for torch {built[0]}.{built[1]} with CUDA {built_cuda} "
+        f"(torch {_build_info.TORCH_VERSION})"
+    )
+    fix = (
+        "; reinstall gmlake against this torch (pip install <gmlake checkout>/python "
+        "--no-build-isolation) or use a torch that matches"
+    )
+    if major_minor(torch_version) != built:
+        raise RuntimeError(f"gmlake: {what}, but this process runs torch {torch_version}{fix}")
+    if not cuda_version:
+        raise RuntimeError(f"gmlake: {what}, but this process runs torch {torch_version}, built without CUDA{fix}")
+    if str(cuda_version).split(".")[0] != str(built_cuda).split(".")[0]:
+        raise RuntimeError(
+            f"gmlake: {what}, but this process runs torch {torch_version} with CUDA {cuda_version}{fix}"
+        )
 
 
 def _load() -> ctypes.CDLL:
@@ -90,7 +140,13 @@ def _load() -> ctypes.CDLL:
             return _lib
         path = library_path()
         # torch first: its libraries (libc10, libc10_cuda, libcudart) satisfy ours by soname.
-        import torch  # noqa: F401
+        try:
+            import torch
+        except ImportError as e:
+            raise RuntimeError(f"gmlake: torch cannot be imported ({e}): gmlake runs inside PyTorch") from e
+
+        if _build_info is not None and Path(path).resolve() == _packaged_library():
+            check_torch(torch.__version__, getattr(getattr(torch, "version", None), "cuda", None))
 
         try:
             lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -336,7 +392,7 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.debug_canary_errors``, ``gmlake.debug_pages`` (0 when it is off),
     ``gmlake.initialized`` (0 until the device's first allocation, all counters then zero),
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>``,
-    ``gmlake.device_total``, ``gmlake.page_size``. (No device free memory: reading it can
+    ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``. (No device free memory: reading it can
     wait for the GPU; use ``torch.cuda.mem_get_info()``.)
     Raises ``RuntimeError`` if gmlake is not installed."""
     if not is_enabled():
@@ -350,6 +406,32 @@ def stats(device=None) -> Dict[str, Any]:
         if k.startswith("gmlake."):
             out[k] = v
     return out
+
+
+def raw_stats(device: int) -> Dict[str, Any]:
+    """gmlake's statistics of one device from one read of the allocator (no call into torch):
+    PyTorch's keys (``reserved_bytes.all.current``, ``num_ooms``, ...) and gmlake's
+    (``gmlake.*``, including ``gmlake.largest_free_block``). ``gmlake.initialized`` is 0 (all
+    zero) until the device's first allocation. What the metrics endpoint reads."""
+    if not is_enabled():
+        raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")
+    return json.loads(_json_call(_lib.gmlake_stats_json, int(device)))
+
+
+def device_count() -> int:
+    """The number of devices the installed allocator knows (0 before CUDA initializes)."""
+    if not is_enabled():
+        return 0
+    return int(_lib.gmlake_device_count())
+
+
+def serve_metrics(port: int = 9400, addr: str = "127.0.0.1", **kwargs: Any):
+    """Starts a Prometheus endpoint (http://ADDR:PORT/metrics) with gmlake's per-device
+    statistics, in a background thread; see :mod:`gmlake.metrics`. Needs prometheus-client
+    (``pip install 'gmlake[metrics]'``). Returns the server."""
+    from .metrics import serve_metrics as _serve
+
+    return _serve(port=port, addr=addr, **kwargs)
 
 
 def snapshot(device=None) -> Dict[str, Any]:

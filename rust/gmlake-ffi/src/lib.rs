@@ -779,6 +779,12 @@ impl Gmlake {
                 extra.push(("device_total", t as u64));
             }
             extra.push(("page_size", self.core.page_size()));
+            // The largest free mapped block (what one request can get without stitching or
+            // new memory): for fragmentation metrics.
+            extra.push((
+                "largest_free_block",
+                self.core.cache_info().largest_free_block,
+            ));
             Ok(json::stats(&s, &extra))
         })
     }
@@ -934,7 +940,10 @@ impl Gmlake {
 }
 
 fn empty_stats_json() -> String {
-    json::stats(&DeviceStats::default(), &[("initialized", 0)])
+    json::stats(
+        &DeviceStats::default(),
+        &[("initialized", 0), ("largest_free_block", 0)],
+    )
 }
 
 fn ipc_handle_kind(handle: &[u8]) -> Result<u8, String> {
