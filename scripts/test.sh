@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/ensure-rust.sh
 source scripts/ensure-rust.sh
 export GMLAKE_PROPTEST_CASES="${GMLAKE_PROPTEST_CASES:-10000}"
+export GMLAKE_TIER_PROPTEST_CASES="${GMLAKE_TIER_PROPTEST_CASES:-1000}"
 start=$SECONDS
 step() { printf '\n== %s (%ss)\n' "$1" "$((SECONDS - start))"; }
 

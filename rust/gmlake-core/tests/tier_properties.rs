@@ -233,8 +233,10 @@ fn run(
     Ok(())
 }
 
+/// Sequences to run: `GMLAKE_TIER_PROPTEST_CASES` (its own knob: a tier sequence costs
+/// about 35 ms in a debug build, ten times an allocator sequence), else 300.
 fn cases() -> u32 {
-    std::env::var("GMLAKE_PROPTEST_CASES")
+    std::env::var("GMLAKE_TIER_PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(300)
