@@ -280,6 +280,8 @@ pub struct TierStats {
     /// Pinned host bytes kept for reuse (`TierConfig::host_cache`), and buffers allocated.
     pub host_cached_bytes: u64,
     pub host_allocs: u64,
+    /// Tensors adopted: memory the client allocated and handed over ([`Tier::adopt`]).
+    pub adopts: u64,
 }
 
 /// A copy back still in flight into a resident or put tensor's block.
@@ -526,6 +528,80 @@ impl<D: Device> Tier<D> {
         e.next_use = next_use;
         e.last_touch = touch;
         g.stats.puts += 1;
+        if g.stats.adopts > 0 {
+            self.shed(&mut g)?;
+        }
+        Ok(())
+    }
+
+    /// Takes over a live allocation of the allocator made by the client (e.g. a PyTorch
+    /// tensor's storage): the block at `ptr` (the start of an allocation) holding `size` bytes
+    /// last used on `stream` becomes a resident tier tensor; the tier frees it from now on.
+    ///
+    /// Its memory exists already, so the budget cannot refuse it: when adopted memory takes
+    /// the tier over its budget, `adopt` and `put` start evicting put tensors (never waiting),
+    /// and invariant 5 becomes: device bytes minus the bytes of evictions in flight stay
+    /// within the budget, unless no put tensor is left to evict ([`Tier::verify`]).
+    pub fn adopt(&self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<TensorId> {
+        if size == 0 {
+            return Err(Error::InvalidState(
+                "a tier tensor has at least one byte".into(),
+            ));
+        }
+        let bytes = size.div_ceil(UNIT) * UNIT;
+        match self.alloc.allocation(ptr) {
+            Some(a) if a.ptr == ptr && a.size >= bytes => {}
+            Some(a) => {
+                return Err(Error::InvalidState(format!(
+                    "adopt of {ptr:#x} ({size} bytes): it lies in the allocation {:#x} of {} \
+                     bytes, not at its start with room for {bytes}",
+                    a.ptr, a.size
+                )))
+            }
+            None => return Err(Error::UnknownPointer(ptr)),
+        }
+        let mut g = self.inner.lock();
+        self.reap(&mut g)?;
+        if g.entries
+            .values()
+            .any(|e| e.state.device_ptr() == Some(ptr))
+            || g.zombies.iter().any(|z| z.ptr == Some(ptr))
+        {
+            return Err(Error::InvalidState(format!(
+                "adopt of {ptr:#x}: the tier holds it already"
+            )));
+        }
+        let id = TensorId(g.next_id);
+        g.next_id += 1;
+        g.touch += 1;
+        let touch = g.touch;
+        g.entries.insert(
+            id,
+            Entry {
+                size,
+                bytes,
+                stream,
+                state: State::Resident { ptr, copy_in: None },
+                next_use: None,
+                last_touch: touch,
+            },
+        );
+        g.stats.adopts += 1;
+        g.add_device(bytes as i64);
+        self.shed(&mut g)?;
+        Ok(id)
+    }
+
+    /// Replaces the settings and the policy (tensors held stay; a lower budget is reached by
+    /// the evictions of later calls).
+    pub fn reconfigure(&self, cfg: TierConfig, policy: Box<dyn EvictionPolicy>) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.reap(&mut g)?;
+        g.cfg = cfg;
+        g.policy = policy;
+        if g.stats.adopts > 0 {
+            self.shed(&mut g)?;
+        }
         Ok(())
     }
 
@@ -828,8 +904,20 @@ impl<D: Device> Tier<D> {
             ));
         }
         if let Some(b) = g.cfg.device_budget {
-            if device > b {
-                return Err(format!("device bytes {device} over the budget {b}"));
+            if g.stats.adopts == 0 {
+                if device > b {
+                    return Err(format!("device bytes {device} over the budget {b}"));
+                }
+            } else if device.saturating_sub(g.evicting_bytes()) > b
+                && g.entries
+                    .values()
+                    .any(|e| matches!(e.state, State::Put { copy_in: None, .. }))
+            {
+                return Err(format!(
+                    "device bytes {device} ({} on their way out) over the budget {b} with put \
+                     tensors left to evict",
+                    g.evicting_bytes()
+                ));
             }
         }
         let s = &g.stats;
@@ -1071,6 +1159,23 @@ impl<D: Device> Tier<D> {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Starts evicting put tensors until the device bytes not already on their way out fit
+    /// the budget; never waits (adopted memory may exceed the budget: see [`Tier::adopt`]).
+    fn shed(&self, g: &mut Inner) -> Result<()> {
+        let Some(b) = g.cfg.device_budget else {
+            return Ok(());
+        };
+        let over = g
+            .stats
+            .device_bytes
+            .saturating_sub(g.evicting_bytes())
+            .saturating_sub(b);
+        if over > 0 {
+            self.evict_for(g, over)?;
+        }
+        Ok(())
     }
 
     fn wait(&self, g: &mut Inner) -> Result<()> {
