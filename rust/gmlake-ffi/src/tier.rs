@@ -33,7 +33,7 @@ pub trait TierCore: Send + Sync {
     fn policy_name(&self) -> &'static str;
     fn state(&self, id: TensorId) -> Option<TensorState>;
     fn size(&self, id: TensorId) -> Option<u64>;
-    fn len(&self) -> usize;
+    fn tensors(&self) -> usize;
     fn now(&self) -> u64;
     fn verify(&self) -> std::result::Result<(), String>;
 }
@@ -87,7 +87,7 @@ impl<D: gmlake_core::Device + 'static> TierCore for Tier<D> {
     fn size(&self, id: TensorId) -> Option<u64> {
         Tier::size(self, id)
     }
-    fn len(&self) -> usize {
+    fn tensors(&self) -> usize {
         Tier::len(self)
     }
     fn now(&self) -> u64 {
@@ -286,7 +286,7 @@ impl GmlakeTier {
             &s,
             self.core.policy_name(),
             &self.core.config(),
-            self.core.len(),
+            self.core.tensors(),
         )
     }
 
