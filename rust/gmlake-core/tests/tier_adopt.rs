@@ -100,7 +100,7 @@ fn asynchronous_evictions_of_adopted_memory_shed_without_waiting() {
     let mut ids = Vec::new();
     for i in 0..6u64 {
         let p = a.allocate(MIB, 0).unwrap();
-        a.device().fill(p, MIB, i as u64, 0).unwrap();
+        a.device().fill(p, MIB, i, 0).unwrap();
         let id = t.adopt(p, MIB, 0).unwrap();
         t.put(id, Some(100 - i)).unwrap();
         ids.push(id);
