@@ -592,6 +592,27 @@ impl<D: Device> Tier<D> {
         Ok(id)
     }
 
+    /// Frees device memory for an allocation of `bytes` the allocator refused (the client's
+    /// own, outside the tier): evicts put tensors (the policy chooses) and waits for the device
+    /// so that their blocks, and those of evictions already in flight, go back. Returns the
+    /// device bytes the tier gave back.
+    pub fn relieve(&self, bytes: u64) -> Result<u64> {
+        let mut g = self.inner.lock();
+        self.reap(&mut g)?;
+        let before = g.stats.device_bytes;
+        let in_flight = g.evicting_bytes();
+        let need = bytes.saturating_sub(in_flight);
+        let evicted = if need > 0 {
+            self.evict_for(&mut g, need)?
+        } else {
+            0
+        };
+        if evicted > 0 || in_flight > 0 {
+            self.wait(&mut g)?;
+        }
+        Ok(before.saturating_sub(g.stats.device_bytes))
+    }
+
     /// Replaces the settings and the policy (tensors held stay; a lower budget is reached by
     /// the evictions of later calls).
     pub fn reconfigure(&self, cfg: TierConfig, policy: Box<dyn EvictionPolicy>) -> Result<()> {

@@ -261,6 +261,9 @@ pub mod ffi {
         fn put(self: &GmlakeTier, id: u64, next_use: i64) -> Result<()>;
         /// Starts evicting a put tensor now.
         fn offload(self: &GmlakeTier, id: u64) -> Result<()>;
+        /// Evicts put tensors to make room for an allocation of `bytes` the allocator refused,
+        /// waiting for the device; returns the device bytes given back.
+        fn relieve(self: &GmlakeTier, bytes: u64) -> Result<u64>;
         /// The tensor on the device, ready for work queued on `stream` after this call.
         fn get(self: &GmlakeTier, id: u64, stream: u64) -> Result<TierFetch>;
         fn free(self: &GmlakeTier, id: u64) -> Result<()>;

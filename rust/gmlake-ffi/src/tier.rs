@@ -21,6 +21,7 @@ pub trait TierCore: Send + Sync {
     fn adopt(&self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<TensorId>;
     fn put(&self, id: TensorId, next_use: Option<u64>) -> Result<()>;
     fn offload(&self, id: TensorId) -> Result<()>;
+    fn relieve(&self, bytes: u64) -> Result<u64>;
     fn get(&self, id: TensorId, stream: StreamId) -> Result<Fetched>;
     fn free(&self, id: TensorId) -> Result<()>;
     fn advance(&self, now: u64) -> Result<()>;
@@ -50,6 +51,9 @@ impl<D: gmlake_core::Device + 'static> TierCore for Tier<D> {
     }
     fn offload(&self, id: TensorId) -> Result<()> {
         Tier::offload(self, id)
+    }
+    fn relieve(&self, bytes: u64) -> Result<u64> {
+        Tier::relieve(self, bytes)
     }
     fn get(&self, id: TensorId, stream: StreamId) -> Result<Fetched> {
         Tier::get(self, id, stream)
@@ -229,6 +233,12 @@ impl GmlakeTier {
     pub(crate) fn offload(&self, id: u64) -> std::result::Result<(), String> {
         guard("tier offload", || {
             self.core.offload(TensorId(id)).map_err(core_err)
+        })
+    }
+
+    pub(crate) fn relieve(&self, bytes: u64) -> std::result::Result<u64, String> {
+        guard("tier relieve", || {
+            self.core.relieve(bytes).map_err(core_err)
         })
     }
 

@@ -86,3 +86,17 @@ fn create_and_reconfigure_and_bad_settings() {
     let e = t.adopt(0x1234_0000, 512, 0).unwrap_err();
     assert!(e.contains("0x12340000") || e.contains("unknown"), "{e}");
 }
+
+#[test]
+fn relieve_evicts_put_tensors_and_gives_their_blocks_back() {
+    let a = new_simulated_allocator(GIB, 0, "").unwrap();
+    let t = a.new_tier(&conf(None, "aware")).unwrap();
+    let p = a.allocate(8 * MIB, 0);
+    let id = t.adopt(p.ptr, 8 * MIB, 0).unwrap();
+    assert_eq!(t.relieve(MIB).unwrap(), 0, "nothing put: nothing to give");
+    t.put(id, -1).unwrap();
+    assert_eq!(t.relieve(MIB).unwrap(), 8 * MIB);
+    assert_eq!(t.state(id), 3);
+    t.verify().unwrap();
+    t.free(id).unwrap();
+}
