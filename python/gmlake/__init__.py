@@ -36,6 +36,7 @@ __all__ = [
     "build_info",
     "check_config",
     "conf_string",
+    "tier",
 ]
 
 __version__ = "0.1.0"
@@ -260,3 +261,7 @@ def settings() -> str:
 def build_info() -> Dict[str, Any]:
     """What the loaded library was built against: torch version, C++ ABI, CUDA runtime."""
     return json.loads(_load().gmlake_build_info().decode())
+
+
+# The host tier (gmlake.tier.put / get / free, offload_activations): imports no torch at load.
+from . import tier  # noqa: E402
