@@ -71,6 +71,8 @@ int64_t g_next_handle = 1;
 ffi::GmlakeTier* g_tiers[Impl::kMaxDevices] = {};
 ffi::TierConf g_default_conf; // for tiers created by a put before any configure
 
+bool relieve(int device, uint64_t bytes);
+
 ffi::GmlakeTier& tier_of(int device) {
   TORCH_CHECK(device >= 0 && device < Impl::kMaxDevices, "gmlake tier: bad device ", device);
   ffi::GmlakeTier* t = g_tiers[device];
@@ -87,6 +89,8 @@ ffi::GmlakeTier& tier_of(int device) {
     TORCH_CHECK(false, "gmlake tier: ", e.what());
   }
   g_tiers[device] = t;
+  // Out of memory in the allocator: evict put tensors first (relieve, below).
+  gmlake::set_tier_relief(&relieve);
   return *t;
 }
 
@@ -201,7 +205,6 @@ GMLAKE_EXPORT int gmlake_tier_configure(
       g_default_conf = previous;
       throw;
     }
-    gmlake::set_tier_relief(&relieve);
     return 0;
   } catch (const std::exception& e) {
     return fail(e.what());
@@ -310,7 +313,7 @@ GMLAKE_EXPORT int gmlake_tier_bind(void* storage_impl, int64_t handle) {
       return fail("gmlake.tier.bind: unknown handle or no storage");
     }
     const c10::DataPtr& dp = st->data_ptr();
-    if (dp.get_deleter() != nullptr) {
+    if (dp.get_context() != nullptr) {
       return fail("gmlake.tier.bind: the storage owns its memory already");
     }
     auto* ctx = new StorageCtx{h->second.key};
