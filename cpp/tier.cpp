@@ -63,7 +63,9 @@ struct StorageCtx {
   uint64_t key;
 };
 
-std::mutex g_mu; // guards everything below
+// Guards everything below. Recursive: a put that materializes a copy-on-write storage may
+// allocate, and an allocation out of memory calls relieve() on the same thread.
+std::recursive_mutex g_mu;
 std::map<uint64_t, Entry> g_entries; // key -> entry
 std::map<int64_t, Handle> g_handles;
 uint64_t g_next_key = 1;
@@ -120,7 +122,7 @@ void tier_storage_delete(void* ctx) {
     return;
   }
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     auto it = g_entries.find(c->key);
     if (it != g_entries.end()) {
       it->second.live -= 1;
@@ -136,7 +138,7 @@ void tier_storage_delete(void* ctx) {
 
 bool relieve(int device, uint64_t bytes) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     if (device < 0 || device >= Impl::kMaxDevices || g_tiers[device] == nullptr) {
       return false;
     }
@@ -186,7 +188,7 @@ GMLAKE_EXPORT int gmlake_tier_configure(
     int64_t prefetch_margin,
     double tick_seconds) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     ffi::TierConf c =
         make_conf(has_budget, budget, policy, bandwidth, host_cache, prefetch_margin, tick_seconds);
     if (device < 0 || device >= Impl::kMaxDevices) {
@@ -227,7 +229,7 @@ GMLAKE_EXPORT int64_t gmlake_tier_put(void* storage_impl, uint64_t stream, int64
       return fail("gmlake.tier.put: the tensor has no memory (empty storage)");
     }
     const int device = dp.device().index();
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     uint64_t key = 0;
     if (dp.get_deleter() == &tier_storage_delete) {
       key = static_cast<StorageCtx*>(dp.get_context())->key;
@@ -238,26 +240,40 @@ GMLAKE_EXPORT int64_t gmlake_tier_put(void* storage_impl, uint64_t stream, int64
       }
     } else if (dp.get_deleter() == &gmlake::local_raw_delete) {
       ffi::GmlakeTier& t = tier_of(device);
-      const uint64_t ptr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(dp.get()));
+      void* raw = dp.get();
+      const c10::Device dev = dp.device();
+      const uint64_t ptr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(raw));
+      const uint64_t nbytes = st->nbytes();
+      key = g_next_key++;
+      // The storage gets the tier's deleter first (this may throw: nothing happened then),
+      // then the tier adopts the allocation; if it refuses, gmlake's DataPtr goes back.
+      auto* ctx = new StorageCtx{key};
+      c10::DataPtr old;
+      try {
+        old = st->set_data_ptr(c10::DataPtr(raw, ctx, &tier_storage_delete, dev));
+      } catch (...) {
+        delete ctx;
+        throw;
+      }
       uint64_t id = 0;
       try {
-        id = t.adopt(ptr, st->nbytes(), stream);
+        id = t.adopt(ptr, nbytes, stream);
       } catch (const rust::Error& e) {
+        c10::DataPtr mine = st->set_data_ptr(std::move(old));
+        (void)mine.release_context();
+        delete ctx;
         return fail(std::string("gmlake.tier.put: ") + e.what());
       }
-      key = g_next_key++;
+      // The tier owns the allocation now: gmlake's deleter must not free it.
+      (void)old.release_context();
       Entry e;
       e.device = device;
       e.id = id;
-      e.nbytes = st->nbytes();
+      e.nbytes = nbytes;
       e.live = 1;
       e.handles = 1;
       e.next_use = next_use;
       g_entries[key] = e;
-      auto* ctx = new StorageCtx{key};
-      c10::DataPtr old = st->set_data_ptr(c10::DataPtr(dp.get(), ctx, &tier_storage_delete, dp.device()));
-      // The tier owns the allocation now: gmlake's deleter must not free it.
-      (void)old.release_context();
     } else {
       return fail(
           "gmlake.tier.put: the tensor's memory was not allocated by gmlake (is gmlake the "
@@ -280,7 +296,7 @@ GMLAKE_EXPORT int gmlake_tier_get(
     uint64_t* nbytes,
     int* device) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     auto h = g_handles.find(handle);
     if (h == g_handles.end()) {
       return fail("gmlake.tier.get: unknown handle " + std::to_string(handle) + " (freed?)");
@@ -307,7 +323,7 @@ GMLAKE_EXPORT int gmlake_tier_get(
 GMLAKE_EXPORT int gmlake_tier_bind(void* storage_impl, int64_t handle) {
   try {
     auto* st = static_cast<c10::StorageImpl*>(storage_impl);
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     auto h = g_handles.find(handle);
     if (h == g_handles.end() || st == nullptr) {
       return fail("gmlake.tier.bind: unknown handle or no storage");
@@ -327,7 +343,7 @@ GMLAKE_EXPORT int gmlake_tier_bind(void* storage_impl, int64_t handle) {
 // Undoes the reference a get took, when no storage could be bound to it.
 GMLAKE_EXPORT int gmlake_tier_unget(int64_t handle) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     auto h = g_handles.find(handle);
     if (h == g_handles.end()) {
       return fail("gmlake.tier.unget: unknown handle");
@@ -344,7 +360,7 @@ GMLAKE_EXPORT int gmlake_tier_unget(int64_t handle) {
 // Drops a handle. 0 or -1 (unknown handle).
 GMLAKE_EXPORT int gmlake_tier_free(int64_t handle) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     auto h = g_handles.find(handle);
     if (h == g_handles.end()) {
       return fail("gmlake.tier.free: unknown handle " + std::to_string(handle) + " (freed twice?)");
@@ -363,7 +379,7 @@ GMLAKE_EXPORT int gmlake_tier_free(int64_t handle) {
 // unknown handle.
 GMLAKE_EXPORT int gmlake_tier_state(int64_t handle) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     auto h = g_handles.find(handle);
     if (h == g_handles.end()) {
       return fail("gmlake.tier.state: unknown handle");
@@ -378,7 +394,7 @@ GMLAKE_EXPORT int gmlake_tier_state(int64_t handle) {
 // Moves the clock of `device`'s tier (prefetches what is due). 0 or -1.
 GMLAKE_EXPORT int gmlake_tier_advance(int device, uint64_t now) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     tier_of(device).advance(now);
     return 0;
   } catch (const std::exception& e) {
@@ -390,7 +406,7 @@ GMLAKE_EXPORT int gmlake_tier_advance(int device, uint64_t now) {
 // pinned buffers kept for reuse. 0 or -1.
 GMLAKE_EXPORT int gmlake_tier_flush(int device, int trim) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     ffi::GmlakeTier& t = tier_of(device);
     t.flush();
     if (trim != 0) {
@@ -405,7 +421,7 @@ GMLAKE_EXPORT int gmlake_tier_flush(int device, int trim) {
 // Checks the tier's invariants (tests). 0 or -1.
 GMLAKE_EXPORT int gmlake_tier_verify(int device) {
   try {
-    std::lock_guard<std::mutex> g(g_mu);
+    std::lock_guard<std::recursive_mutex> g(g_mu);
     tier_of(device).verify();
     return 0;
   } catch (const std::exception& e) {
@@ -419,7 +435,7 @@ GMLAKE_EXPORT long long gmlake_tier_stats_json(int device, char* buf, size_t len
   try {
     std::string s;
     {
-      std::lock_guard<std::mutex> g(g_mu);
+      std::lock_guard<std::recursive_mutex> g(g_mu);
       s = std::string(tier_of(device).stats_json());
       size_t handles = g_handles.size();
       s.pop_back();

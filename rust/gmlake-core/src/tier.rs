@@ -45,7 +45,9 @@
 //!    an eviction that a get rescued (a *zombie*).
 //! 5. With a budget, the device bytes the tier holds (Resident, Put, Fetching and Evicting
 //!    tensors, and zombies that still hold a block) never exceed it: an allocation that would
-//!    exceed it first waits for evictions to complete.
+//!    exceed it first waits for evictions to complete. Once memory was adopted
+//!    ([`Tier::adopt`]): the device bytes minus evictions in flight stay within it, unless no
+//!    put tensor is left to evict.
 //! 6. Statistics equal a recount: device and host bytes held, gets = hits + misses.
 
 use crate::allocator::Allocator;
