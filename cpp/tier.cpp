@@ -52,6 +52,7 @@ struct Entry {
   int live = 0; // storages alive (the adopted one, and those bound by get), gets not yet bound
   int handles = 0;
   int64_t next_use = -1;
+  bool is_put = false; // put in the tier (no storage alive since)
 };
 
 struct Handle {
@@ -108,7 +109,10 @@ void settle(uint64_t key) {
   }
   ffi::GmlakeTier& t = *g_tiers[e.device];
   if (e.handles > 0) {
-    t.put(e.id, e.next_use);
+    if (!e.is_put) {
+      t.put(e.id, e.next_use);
+      e.is_put = true;
+    }
   } else {
     const uint64_t id = e.id;
     g_entries.erase(it);
@@ -309,6 +313,7 @@ GMLAKE_EXPORT int gmlake_tier_get(
       return fail(std::string("gmlake.tier.get: ") + err.what());
     }
     e.live += 1;
+    e.is_put = false;
     *ptr = f.ptr;
     *nbytes = e.nbytes;
     *device = e.device;
