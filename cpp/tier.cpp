@@ -456,3 +456,63 @@ GMLAKE_EXPORT long long gmlake_tier_stats_json(int device, char* buf, size_t len
     return fail(e.what());
   }
 }
+
+// ---- Test hooks (cpp/tests/tier_test.cpp): the logic above over a simulated device, without
+// a GPU or an installed gmlake.
+
+namespace {
+ffi::Gmlake* g_sim = nullptr;
+} // namespace
+
+// Device 0's tier over a simulated allocator of `capacity` bytes, LRU, with `budget` (0:
+// none). Only before any tier exists. 0 or -1.
+GMLAKE_EXPORT int gmlake_tier_test_simulated(uint64_t capacity, uint64_t budget) {
+  try {
+    std::lock_guard<std::recursive_mutex> g(g_mu);
+    if (g_tiers[0] != nullptr) {
+      return fail("gmlake_tier_test_simulated: device 0 has a tier already");
+    }
+    g_sim = ffi::new_simulated_allocator(capacity, 0, rust::Str("")).into_raw();
+    ffi::TierConf c = make_conf(budget != 0, budget, "lru", 0.0, 0, -1, 0.0);
+    g_tiers[0] = g_sim->new_tier(c).into_raw();
+    return 0;
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+}
+
+// A storage (refcount 1, released to the caller) of `nbytes` allocated from the simulated
+// allocator, with gmlake's deleter, on "CUDA device 0"; nullptr on failure.
+GMLAKE_EXPORT void* gmlake_tier_test_storage(uint64_t nbytes) {
+  try {
+    if (g_sim == nullptr) {
+      fail("gmlake_tier_test_storage: no simulated tier");
+      return nullptr;
+    }
+    ffi::AllocOutcome r = g_sim->allocate(nbytes, 0);
+    if (r.status != 0) {
+      fail(std::string(r.message));
+      return nullptr;
+    }
+    void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(r.ptr));
+    auto st = c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(),
+        static_cast<int64_t>(nbytes),
+        c10::DataPtr(p, p, &gmlake::local_raw_delete, c10::Device(c10::DeviceType::CUDA, 0)),
+        nullptr,
+        false);
+    return st.release();
+  } catch (const std::exception& e) {
+    fail(e.what());
+    return nullptr;
+  }
+}
+
+// Whether `ptr` is a live allocation of the simulated allocator: 1, 0, or -1.
+GMLAKE_EXPORT int gmlake_tier_test_live(uint64_t ptr) {
+  try {
+    return g_sim != nullptr && g_sim->allocation(ptr).found ? 1 : 0;
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+}
