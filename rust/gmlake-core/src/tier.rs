@@ -724,6 +724,11 @@ impl<D: Device> Tier<D> {
         e.last_touch = touch;
         g.stats.gets += 1;
         g.stats.hits += 1;
+        if rescued.is_some() && g.stats.adopts > 0 {
+            // The rescued tensor is no longer on its way out: adopted memory over the budget
+            // sheds others instead (see `adopt`).
+            self.shed(&mut g)?;
+        }
         Ok(Fetched {
             ptr,
             stream,
@@ -1093,6 +1098,11 @@ impl<D: Device> Tier<D> {
                 self.give_host(g, h, z.bytes)?;
             }
             g.events.push(z.event);
+        }
+        // A copy back that completed makes its tensor evictable: adopted memory over the
+        // budget sheds it now (see `adopt`).
+        if g.stats.adopts > 0 {
+            self.shed(g)?;
         }
         Ok(())
     }
