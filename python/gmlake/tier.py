@@ -107,6 +107,9 @@ def _lib() -> ctypes.CDLL:
     if not gmlake.is_enabled():
         raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")
     lib = gmlake._load()
+    import torch
+
+    torch.cuda.init()  # gmlake's per-device state exists once CUDA is initialized
     if not hasattr(lib, "gmlake_tier_put"):
         raise RuntimeError(
             f"gmlake.tier: {gmlake.library_path()} has no host tier (rebuild libgmlake_torch.so)"
@@ -379,10 +382,12 @@ def offload_activations(min_bytes: int = 1 << 20, prefetch: bool = True):
         return b
 
     def pack(t):
+        # Parameters and their views (addmm saves weight.t()) stay: they live on anyway.
+        base = t._base if t._base is not None else t
         if (
             not t.is_cuda
-            or isinstance(t, torch.nn.Parameter)
-            or (t.is_leaf and t.requires_grad)
+            or isinstance(base, torch.nn.Parameter)
+            or (base.is_leaf and base.requires_grad)
             or t.untyped_storage().nbytes() < mb
         ):
             return t
