@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     ap.add_argument("--rows", type=int, default=16384, help="tokens per batch (default 16384)")
-    ap.add_argument("--search", type=int, nargs="+", default=[8192, 16384, 24576, 32768])
+    ap.add_argument("--search", type=int, nargs="+", default=[4096, 8192, 16384, 24576, 32768])
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
