@@ -39,7 +39,10 @@
 //!    before the kernels the client queues after `get`. Clients using a tensor on several
 //!    streams order them before `put` (as with any CUDA memory).
 //! 3. A device block being copied out is given back to the allocator only after the event
-//!    recorded after its copy completed (Evicting → Evicted happens in `reap`, never before).
+//!    recorded after its copy completed (Evicting → Evicted happens in `reap`, never before);
+//!    with [`TierConfig::eager_free`], stream-ordered as soon as the copy is queued (the copy's
+//!    stream recorded on the block), the tensor Evicted with the copy's event guarding its
+//!    host buffer.
 //! 4. A host buffer is freed only after every copy to or from it completed: after the copy-in
 //!    event (Fetching, or a resident tensor's pending copy-in), or after the copy-out event of
 //!    an eviction that a get rescued (a *zombie*).
@@ -107,6 +110,12 @@ pub struct TierConfig {
     /// (`cuMemHostAlloc` is slow: a job evicting the same sizes every step allocates once).
     /// A buffer is reused for a tensor of exactly its size. Default 0: none kept.
     pub host_cache: u64,
+    /// Give an evicted tensor's block back to the allocator as soon as its copy out is queued
+    /// (stream-ordered, as any free: reused on its stream by work queued after the copy, on
+    /// other streams after the copy's stream is recorded on it) instead of once the copy has
+    /// completed. The host buffer stays guarded by the copy's event; an eviction can then not be
+    /// rescued (a get copies back). Default false; the PyTorch bridge sets it.
+    pub eager_free: bool,
 }
 
 impl Default for TierConfig {
@@ -118,6 +127,7 @@ impl Default for TierConfig {
             tick_seconds: 1e-3,
             prefetch_margin: 1,
             host_cache: 0,
+            eager_free: false,
         }
     }
 }
@@ -313,6 +323,8 @@ enum State {
     },
     Evicted {
         host: HostPtr,
+        /// With `eager_free`: the event after the copy out still writing `host`, and its stream.
+        out: Option<(EventHandle, StreamId)>,
     },
     Fetching {
         ptr: DevicePtr,
@@ -344,7 +356,7 @@ impl State {
         match *self {
             State::Resident { copy_in, .. } | State::Put { copy_in, .. } => copy_in.map(|c| c.host),
             State::Evicting { host, .. }
-            | State::Evicted { host }
+            | State::Evicted { host, .. }
             | State::Fetching { host, .. } => Some(host),
         }
     }
@@ -354,7 +366,7 @@ impl State {
                 copy_in.map(|c| c.event)
             }
             State::Evicting { event, .. } | State::Fetching { event, .. } => Some(event),
-            State::Evicted { .. } => None,
+            State::Evicted { out, .. } => out.map(|(e, _)| e),
         }
     }
 }
@@ -681,7 +693,19 @@ impl<D: Device> Tier<D> {
                 rescued = Some((event, old_stream));
                 (ptr, None, true)
             }
-            State::Evicted { host } => {
+            State::Evicted { host, out } => {
+                if let Some((ev, s)) = out {
+                    if s != stream {
+                        // The copy out on another stream must complete before the copy back
+                        // reads the buffer (no cross-stream waits on the device trait).
+                        self.wait(&mut g)?;
+                    } else {
+                        // Queued after the copy out on the same stream: ordered.
+                        let e = g.entries.get_mut(&id).expect("looked up above");
+                        e.state = State::Evicted { host, out: None };
+                        g.events.push(ev);
+                    }
+                }
                 let ptr = self
                     .device_memory(&mut g, bytes, stream, Pressure::Wait)?
                     .expect("waiting requests get memory or an error");
@@ -766,7 +790,16 @@ impl<D: Device> Tier<D> {
                     event,
                 });
             }
-            State::Evicted { host } => self.give_host(&mut g, host, e.bytes)?,
+            State::Evicted { host, out: None } => self.give_host(&mut g, host, e.bytes)?,
+            State::Evicted {
+                host,
+                out: Some((event, _)),
+            } => g.zombies.push(Zombie {
+                ptr: None,
+                host: Some(host),
+                bytes: e.bytes,
+                event,
+            }),
         }
         self.reap(&mut g)
     }
@@ -797,7 +830,7 @@ impl<D: Device> Tier<D> {
         for (_, id) in due {
             let e = &g.entries[&id];
             let (bytes, stream) = (e.bytes, e.stream);
-            let State::Evicted { host } = e.state else {
+            let State::Evicted { host, out } = e.state else {
                 continue;
             };
             let Some(ptr) = self.device_memory(&mut g, bytes, stream, Pressure::NoWait)? else {
@@ -812,6 +845,15 @@ impl<D: Device> Tier<D> {
             };
             g.add_device(bytes as i64);
             g.stats.prefetches += 1;
+            // A copy out still in flight was queued on the same stream (the tensor's): the copy
+            // back is ordered after it, and its event goes back to the pool.
+            if let State::Evicted {
+                out: Some((ev, _)), ..
+            } = g.entries[&id].state
+            {
+                g.events.push(ev);
+            }
+            let _ = out;
             g.entries.get_mut(&id).expect("due").state = State::Fetching { ptr, host, event };
         }
         Ok(())
@@ -1033,6 +1075,28 @@ impl<D: Device> Tier<D> {
         g.add_host(bytes as i64);
         g.stats.evictions += 1;
         g.stats.bytes_to_host += bytes;
+        if g.cfg.eager_free {
+            // Stream-ordered: the allocator reuses the block on its stream after the copy, and
+            // on other streams only after the copy's stream (recorded here) has passed it.
+            let freed = self
+                .alloc
+                .record_stream(ptr, stream)
+                .and_then(|()| self.alloc.free(ptr));
+            match freed {
+                Ok(()) => {
+                    g.add_device(-(bytes as i64));
+                    g.entries.get_mut(&id).expect("looked up").state = State::Evicted {
+                        host,
+                        out: Some((event, stream)),
+                    };
+                    return Ok(());
+                }
+                Err(err) => {
+                    // Kept as an eviction in flight (the block goes back once the copy is done).
+                    tracing::debug!(%err, "gmlake tier: eager free refused");
+                }
+            }
+        }
         g.entries.get_mut(&id).expect("looked up").state = State::Evicting { ptr, host, event };
         Ok(())
     }
@@ -1056,8 +1120,11 @@ impl<D: Device> Tier<D> {
             }
             let bytes = e.bytes as i64;
             match e.state {
+                State::Evicted { host, out: Some(_) } => {
+                    e.state = State::Evicted { host, out: None };
+                }
                 State::Evicting { ptr, host, .. } => {
-                    e.state = State::Evicted { host };
+                    e.state = State::Evicted { host, out: None };
                     self.alloc.free(ptr)?;
                     g.add_device(-bytes);
                 }

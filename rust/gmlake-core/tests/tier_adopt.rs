@@ -135,3 +135,54 @@ fn asynchronous_evictions_of_adopted_memory_shed_without_waiting() {
     t.flush().unwrap();
     assert_eq!(t.stats().device_bytes, 0);
 }
+
+#[test]
+fn eager_free_gives_the_block_back_when_the_copy_is_queued() {
+    let alloc = Allocator::new(
+        Arc::new(SimDevice::new(1 << 30).asynchronous()),
+        Config::default(),
+    )
+    .unwrap();
+    let t = Tier::new(
+        Arc::new(alloc),
+        TierConfig {
+            device_budget: Some(4 * MIB),
+            eager_free: true,
+            ..TierConfig::default()
+        },
+        Box::new(Lru),
+    );
+    let a = t.allocator().clone();
+    let p = a.allocate(3 * MIB, 1).unwrap();
+    a.device().fill(p, 3 * MIB, 9, 1).unwrap();
+    let id = t.adopt(p, 3 * MIB, 1).unwrap();
+    t.put(id, None).unwrap();
+    t.offload(id).unwrap();
+    // Nothing completed yet, and the block is back in the allocator already.
+    assert_eq!(t.state(id), Some(TensorState::Evicted));
+    assert!(a.allocation(p).is_none());
+    assert_eq!(t.stats().device_bytes, 0);
+    check(&t);
+    // Reused on the same stream: ordered after the copy out.
+    let q = a.allocate(3 * MIB, 1).unwrap();
+    a.device().fill(q, 3 * MIB, 10, 1).unwrap();
+    check(&t);
+    // Back on another stream: waits for the copy out first.
+    let waits = t.stats().waits;
+    let f = t.get(id, 2).unwrap();
+    assert_eq!(t.stats().waits, waits + 1);
+    a.device().complete_all();
+    assert_eq!(
+        a.device().checksum(f.ptr, 3 * MIB).unwrap(),
+        SimDevice::fill_checksum(3 * MIB, 9)
+    );
+    assert_eq!(
+        a.device().checksum(q, 3 * MIB).unwrap(),
+        SimDevice::fill_checksum(3 * MIB, 10)
+    );
+    t.free(id).unwrap();
+    a.free(q).unwrap();
+    t.flush().unwrap();
+    check(&t);
+    assert_eq!(a.device().host_buffers(), (0, 0));
+}

@@ -81,6 +81,7 @@ fn run(
     aware: bool,
     asynchronous: bool,
     host_cache: u64,
+    eager_free: bool,
     ops: Vec<Op>,
 ) -> Result<(), TestCaseError> {
     let dev = SimDevice::new(48 * MIB);
@@ -100,6 +101,7 @@ fn run(
         TierConfig {
             device_budget: budget,
             host_cache,
+            eager_free,
             ..TierConfig::default()
         },
         policy,
@@ -295,8 +297,9 @@ proptest! {
         aware in prop::bool::ANY,
         asynchronous in prop::bool::weighted(0.8),
         host_cache in prop_oneof![Just(0u64), Just(16 * MIB)],
+        eager_free in prop::bool::ANY,
         ops in prop::collection::vec(op(), 1..120),
     ) {
-        run(budget, aware, asynchronous, host_cache, ops)?;
+        run(budget, aware, asynchronous, host_cache, eager_free, ops)?;
     }
 }

@@ -107,7 +107,8 @@ pub struct GmlakeTier {
     core: Box<dyn TierCore>,
 }
 
-/// Settings and policy from the bridge's [`TierConf`] (zeros: defaults).
+/// Settings and policy from the bridge's [`TierConf`] (zeros: defaults), with
+/// [`TierConfig::eager_free`] on.
 pub fn settings(
     c: &TierConf,
 ) -> std::result::Result<(TierConfig, Box<dyn EvictionPolicy>), String> {
@@ -141,6 +142,9 @@ pub fn settings(
             tick_seconds: or(c.tick_seconds, d.tick_seconds),
             prefetch_margin: c.prefetch_margin,
             host_cache: c.host_cache,
+            // PyTorch's allocator semantics (stream-ordered frees): a job allocating while
+            // copies run reuses evicted blocks at once, without waiting for the copies.
+            eager_free: true,
         },
         policy,
     ))
