@@ -694,17 +694,13 @@ impl<D: Device> Tier<D> {
                 (ptr, None, true)
             }
             State::Evicted { host, out } => {
-                if let Some((ev, s)) = out {
+                if let Some((_, s)) = out {
                     if s != stream {
                         // The copy out on another stream must complete before the copy back
                         // reads the buffer (no cross-stream waits on the device trait).
                         self.wait(&mut g)?;
-                    } else {
-                        // Queued after the copy out on the same stream: ordered.
-                        let e = g.entries.get_mut(&id).expect("looked up above");
-                        e.state = State::Evicted { host, out: None };
-                        g.events.push(ev);
                     }
+                    // On the same stream the copy back is queued after it: ordered.
                 }
                 let ptr = self
                     .device_memory(&mut g, bytes, stream, Pressure::Wait)?
@@ -717,6 +713,14 @@ impl<D: Device> Tier<D> {
                     }
                 };
                 g.add_device(bytes as i64);
+                // A copy out still in flight (same stream, ordered before the copy back): its
+                // event goes back to the pool; the copy back's event now guards the buffer.
+                if let State::Evicted {
+                    out: Some((ev, _)), ..
+                } = g.entries[&id].state
+                {
+                    g.events.push(ev);
+                }
                 let e = g.entries.get_mut(&id).expect("looked up above");
                 e.stream = stream;
                 e.state = State::Resident {
