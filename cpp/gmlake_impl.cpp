@@ -500,8 +500,9 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     }
   }
 
-  if (C10_UNLIKELY(r.status == 1) && !in_pool) {
-    // The host tier may free memory (evictions whose copies complete, more evictions).
+  if (C10_UNLIKELY(r.status == 1) && !in_pool && ds.n_routes.load(std::memory_order_acquire) == 0) {
+    // The host tier may free memory (evictions whose copies complete, more evictions); not
+    // while a graph may be capturing (it waits for the device).
     TierRelief relief = g_tier_relief.load(std::memory_order_acquire);
     if (relief != nullptr && relief(device, nbytes)) {
       r = call();
