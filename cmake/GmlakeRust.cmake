@@ -49,8 +49,9 @@ function(gmlake_rust_staticlib)
     endif()
     if(NOT GMLAKE_CARGO)
       message(FATAL_ERROR
-        "cargo not found: install Rust, or set GMLAKE_RUST_STATICLIB and GMLAKE_CXXBRIDGE_DIR "
-        "to a staticlib built elsewhere")
+        "cargo not found (looked on PATH, in ~/.cargo/bin and $CARGO_HOME/bin): install Rust with "
+        "rustup (https://rustup.rs, then `rustup toolchain install stable`), or set "
+        "GMLAKE_RUST_STATICLIB and GMLAKE_CXXBRIDGE_DIR to a staticlib built elsewhere")
     endif()
     if(NOT GMLAKE_CARGO_TARGET_DIR)
       set(GMLAKE_CARGO_TARGET_DIR "${ARG_WORKSPACE}/target")

@@ -264,6 +264,12 @@ const ffi::Gmlake& Impl::core(int device) {
       box->set_memory_fraction(torch_fraction);
     }
     ds.page_size.store(box->page_size(), std::memory_order_release);
+    const uint32_t mode = box->debug_mode();
+    if (mode != 0) {
+      ds.debug = std::make_unique<DebugDevice>(device, mode);
+      std::fprintf(stderr, "[gmlake] memory debugging mode on for device %d: %s\n", device,
+                   settings_string().c_str());
+    }
     c = box.into_raw();
   } catch (const rust::Error& e) {
     TORCH_CHECK(false, "gmlake: cannot create the allocator of CUDA device ", device, ": ", e.what());
@@ -488,6 +494,7 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
   };
 
   ffi::AllocOutcome r;
+  ContextPtr debug_ctx;
   if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
     r = call();
   } else {
@@ -498,6 +505,7 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     if (r.status == 0 && r.ptr != 0 && ctx) {
       ds.contexts[r.ptr] = ctx;
     }
+    debug_ctx = std::move(ctx);
   }
 
   if (C10_UNLIKELY(r.status == 1) && !in_pool && ds.n_routes.load(std::memory_order_acquire) == 0) {
@@ -510,6 +518,19 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
   }
   if (C10_LIKELY(r.status == 0)) {
     void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(r.ptr));
+    // Debug mode (not during a capture: no work may be queued on a capturing stream, and no
+    // event queried): fill the canary of the new block, check those of freed ones.
+    if (C10_UNLIKELY(ds.debug != nullptr) && p != nullptr && !in_pool &&
+        ds.n_routes.load(std::memory_order_acquire) == 0) {
+      try {
+        ffi::AllocationRecord a = c.allocation(r.ptr);
+        if (a.found) {
+          ds.debug->on_alloc(r.ptr, a.size, a.requested, stream, std::move(debug_ctx));
+        }
+      } catch (const std::exception&) {
+      }
+      debug_poll(ds, false);
+    }
     if (p != nullptr) {
       compat::trace_gpu_alloc(p);
       if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
@@ -643,6 +664,13 @@ void Impl::free(void* ptr) noexcept {
         return;
       }
     }
+    const bool debug = C10_UNLIKELY(ds.debug != nullptr) && ds.n_routes.load(std::memory_order_acquire) == 0;
+    if (debug) {
+      // The canary copy and the poison are queued on the block's stream before the core
+      // frees it (and may hand it out again).
+      c10::cuda::CUDAGuard dg(static_cast<c10::DeviceIndex>(device));
+      ds.debug->on_free(p);
+    }
     ffi::FreeOutcome r;
     if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
       r = c.free_ptr(p);
@@ -652,6 +680,9 @@ void Impl::free(void* ptr) noexcept {
       r = c.free_ptr(p);
       drain(ds, nullptr, ctx);
       ds.contexts.erase(p);
+    }
+    if (debug) {
+      debug_poll(ds, false);
     }
     switch (r.status) {
       case 0:
@@ -706,6 +737,9 @@ void Impl::record_stream(void* ptr, c10::DeleterFnPtr deleter, int device, cudaS
   if (d < 0 || core_if_created(d) == nullptr) {
     log_once("foreign-record", "ignoring record_stream on a pointer that gmlake did not allocate");
     return;
+  }
+  if (C10_UNLIKELY(devices_[d]->debug != nullptr)) {
+    devices_[d]->debug->on_record_stream(as_u64(ptr));
   }
   ffi::FreeOutcome r = core_if_created(d)->record_stream(as_u64(ptr), stream_id(stream));
   if (r.status == 1) {
@@ -928,6 +962,110 @@ std::string Impl::settings_string() {
     out << ",error:" << e.what();
   }
   return out.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory debugging mode
+
+void Impl::debug_poll(DeviceState& ds, bool wait) noexcept {
+  if (ds.debug == nullptr) {
+    return;
+  }
+  std::vector<DebugReport> found = ds.debug->poll(wait);
+  if (found.empty()) {
+    return;
+  }
+  try {
+    ffi::Gmlake* c = ds.core.load(std::memory_order_acquire);
+    bool keep = false;
+    size_t cap = 0;
+    {
+      std::lock_guard<std::mutex> g(hist_mu_);
+      keep = record_history_;
+      cap = max_entries_;
+    }
+    for (auto& r : found) {
+      std::fprintf(stderr, "[gmlake] debug mode: %s\n", r.message.c_str());
+      std::fflush(stderr);
+      if (c != nullptr) {
+        try {
+          c->debug_canary_error(rust::Str(r.message));
+        } catch (const rust::Error&) {
+        }
+      }
+      // The allocation's stack goes into the history as a "snapshot" entry at the block's
+      // address, which torch symbolizes; gmlake.debug_report() takes its frames from there.
+      if (keep && cap > 0 && r.context) {
+        std::lock_guard<std::mutex> g(ds.trace_mu);
+        ds.trace.push_back(TraceRec{
+            Action::SNAPSHOT,
+            ds.index,
+            r.address,
+            r.requested,
+            reinterpret_cast<void*>(static_cast<uintptr_t>(r.stream)),
+            PoolId{0, 0},
+            c10::getApproximateTime(),
+            r.context,
+            std::string(),
+            std::string()});
+        while (ds.trace.size() > cap) {
+          ds.trace.pop_front();
+        }
+      }
+      std::lock_guard<std::mutex> g(debug_mu_);
+      r.id = debug_reports_.size() + 1;
+      r.context.reset();
+      debug_reports_.push_back(std::move(r));
+    }
+  } catch (...) {
+  }
+}
+
+size_t Impl::debug_check(bool wait) {
+  const int n = device_count_.load();
+  for (int d = 0; d < n; ++d) {
+    if (core_if_created(d) != nullptr && devices_[d]->debug != nullptr) {
+      c10::cuda::CUDAGuard g(static_cast<c10::DeviceIndex>(d));
+      debug_poll(*devices_[d], wait);
+    }
+  }
+  std::lock_guard<std::mutex> g(debug_mu_);
+  return debug_reports_.size();
+}
+
+std::string Impl::debug_reports_json() {
+  std::lock_guard<std::mutex> g(debug_mu_);
+  std::ostringstream out;
+  out << "[";
+  bool first = true;
+  for (const auto& r : debug_reports_) {
+    out << (first ? "" : ",") << "{\"id\":" << r.id << ",\"kind\":\"" << r.kind
+        << "\",\"device\":" << r.device << ",\"address\":" << r.address
+        << ",\"requested\":" << r.requested << ",\"size\":" << r.size
+        << ",\"stream\":" << r.stream << ",\"first_bad\":" << r.first_bad
+        << ",\"bad_bytes\":" << r.bad_bytes << ",\"canary_bytes\":" << r.canary_bytes
+        << ",\"message\":\"";
+    for (char ch : r.message) {
+      if (ch == '"' || ch == '\\') {
+        out << '\\';
+      }
+      out << (static_cast<unsigned char>(ch) < 0x20 ? ' ' : ch);
+    }
+    out << "\"}";
+    first = false;
+  }
+  out << "]";
+  return out.str();
+}
+
+uint32_t Impl::debug_mode() {
+  const int n = device_count_.load();
+  for (int d = 0; d < n; ++d) {
+    if (core_if_created(d) != nullptr && devices_[d]->debug != nullptr) {
+      return devices_[d]->debug->mode();
+    }
+  }
+  return 0;
 }
 
 SnapshotData Impl::snapshot(PoolId pool, bool include_traces) {

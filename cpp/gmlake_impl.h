@@ -29,6 +29,7 @@
 
 #include "rust/cxx.h"
 #include "gmlake-ffi/src/lib.rs.h"
+#include "gmlake_debug.h"
 
 namespace gmlake {
 
@@ -238,6 +239,14 @@ class Impl {
   std::shared_ptr<void> get_ipc_dev_ptr(const std::string& handle);
   std::shared_ptr<void> open_cuda_ipc_handle(const std::string& raw);
 
+  // Memory debugging mode (GMLAKE_CONF=debug:...; see gmlake_debug.h). debug_check checks
+  // the canaries of freed blocks (waiting for their copies if `wait`) and returns the number
+  // of reports so far; debug_reports_json: every report as a JSON list.
+  size_t debug_check(bool wait);
+  std::string debug_reports_json();
+  // The mode's bits on the first created device (0: off or no device yet).
+  uint32_t debug_mode();
+
   // Peers and copies.
   void enable_peer_access(int dev, int dev_to_access);
   cudaError_t memcpy_async(
@@ -282,6 +291,8 @@ class Impl {
     std::deque<TraceRec> trace;
     std::deque<AnnotationRec> annotations;
     std::unordered_map<uint64_t, ContextPtr> contexts;
+    // Debug mode: set with the core when the mode is on (before `core` is published).
+    std::unique_ptr<DebugDevice> debug;
   };
 
   DeviceState& state(int device);
@@ -301,6 +312,11 @@ class Impl {
   void drain(DeviceState& ds, const ContextPtr& alloc_ctx, const ContextPtr& free_ctx);
   void push_trace(DeviceState& ds, TraceRec rec);
   void log_once(const char* key, const std::string& msg) noexcept;
+  // Debug mode: checks completed canary copies of a device and files their reports.
+  void debug_poll(DeviceState& ds, bool wait) noexcept;
+
+  std::mutex debug_mu_;
+  std::vector<DebugReport> debug_reports_;
 
   const std::string conf_;
   std::atomic<int> device_count_{0};

@@ -393,6 +393,46 @@ GMLAKE_EXPORT long long gmlake_settings(char* buf, size_t len) {
   }
 }
 
+// Memory debugging mode: checks the canaries of freed blocks whose copies completed (with
+// `wait`, waits for every pending copy first: cudaEventSynchronize on each, never a device
+// synchronisation) and returns the number of reports so far; -1 on error.
+GMLAKE_EXPORT long long gmlake_debug_check(int wait) {
+  try {
+    gmlake::Impl* impl = installed_impl();
+    if (impl == nullptr) {
+      return fail("gmlake is not installed");
+    }
+    return static_cast<long long>(impl->debug_check(wait != 0));
+  } catch (const std::exception& e) {
+    return fail(std::string("gmlake: ") + e.what());
+  } catch (...) {
+    return fail("gmlake: unknown C++ exception");
+  }
+}
+
+// The debug mode's reports as a JSON list (see gmlake.debug_report()); the bits of the mode
+// (0: off) through gmlake_debug_mode. Same conventions as gmlake_settings.
+GMLAKE_EXPORT long long gmlake_debug_reports_json(char* buf, size_t len) {
+  try {
+    gmlake::Impl* impl = installed_impl();
+    if (impl == nullptr) {
+      return fail("gmlake is not installed");
+    }
+    return copy_out(impl->debug_reports_json(), buf, len);
+  } catch (const std::exception& e) {
+    return fail(std::string("gmlake: ") + e.what());
+  } catch (...) {
+    return fail("gmlake: unknown C++ exception");
+  }
+}
+
+GMLAKE_EXPORT int gmlake_debug_mode(void) {
+  return guarded([&] {
+    gmlake::Impl* impl = installed_impl();
+    return impl != nullptr ? static_cast<int>(impl->debug_mode()) : 0;
+  });
+}
+
 // Number of devices torch initialized the allocator for (0 before CUDA initializes).
 GMLAKE_EXPORT int gmlake_device_count(void) {
   return guarded([&] {

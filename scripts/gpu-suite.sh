@@ -16,13 +16,16 @@
 #          carried staticlib (in the background; a check of the CMake route: its result is
 #          reported, the suite tests the carried library) unless GMLAKE_SKIP_DEVICE_BUILD=1;
 #       3. runs tests/gpu in order: install, memory, graphs, history, ipc, multi_gpu, faults, parity
-#          (each behaviour under native and gmlake, same outcome), training, tier, sanitizer;
+#          (each behaviour under native and gmlake, same outcome), training, tier, sanitizer,
+#          debug (the memory debugging mode: guard faults, canary reports, poison, quarantine);
 #       4. prints a summary: tests passed/failed, and the training table (utilization and
 #          median step time under native, expandable segments and gmlake).
 #
 # Logs go to $OUT when set (else build/gpu-suite/): suite.log (pytest -v), junit.xml,
 # cases.log (every case's output), training.json, device-build.log, summary.txt.
 # GMLAKE_LIBRARY overrides the library tested; PYTHON the interpreter (default python3).
+# GMLAKE_WHEEL=.artifacts/wheel/gmlake-...whl: the suite from that wheel instead (installed
+# with pip install --no-deps --target; its package and library are what the cases use).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -48,8 +51,19 @@ LOG="${OUT:-$ROOT/build/gpu-suite}"
 mkdir -p "$LOG"
 export GMLAKE_GPU_OUT="$LOG"
 export GMLAKE_GPU_PYTHON="$PY"
-export GMLAKE_LIBRARY="${GMLAKE_LIBRARY:-$ART/libgmlake_torch.so}"
-export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${GMLAKE_WHEEL:-}" ]; then
+  # The suite from an installed wheel (scripts/build-wheel.sh): its package and library.
+  site="${GMLAKE_SITE:-/tmp/gmlake-suite-site}"
+  rm -rf "$site"
+  "$PY" -m pip install -q --no-deps --no-index --target "$site" "$GMLAKE_WHEEL" || { echo "gpu-suite: cannot install $GMLAKE_WHEEL" >&2; exit 2; }
+  export GMLAKE_GPU_PYDIR="$site" GMLAKE_PYTHON_DIR="$site"
+  export GMLAKE_LIBRARY="$site/gmlake/libgmlake_torch.so"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+  echo "gpu-suite: testing the wheel $(basename "$GMLAKE_WHEEL") installed in $site"
+else
+  export GMLAKE_LIBRARY="${GMLAKE_LIBRARY:-$ART/libgmlake_torch.so}"
+  export PYTHONPATH="$ROOT/python${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONUNBUFFERED=1
 : >"$LOG/cases.log"
 start=$SECONDS
@@ -98,7 +112,7 @@ echo "== tests/gpu"
 files=(tests/gpu/test_install.py tests/gpu/test_memory.py tests/gpu/test_graphs.py
        tests/gpu/test_history.py tests/gpu/test_ipc.py tests/gpu/test_multi_gpu.py
        tests/gpu/test_faults.py tests/gpu/test_parity.py tests/gpu/test_training.py
-       tests/gpu/test_tier.py tests/gpu/test_sanitizer.py)
+       tests/gpu/test_tier.py tests/gpu/test_sanitizer.py tests/gpu/test_debug.py)
 # GMLAKE_SUITE_FILES="tests/gpu/a.py tests/gpu/b.py" runs only those.
 if [ -n "${GMLAKE_SUITE_FILES:-}" ]; then read -r -a files <<<"$GMLAKE_SUITE_FILES"; fi
 "$PY" -m pytest -v -rA --tb=short -p no:cacheprovider --junitxml="$LOG/junit.xml" \

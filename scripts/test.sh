@@ -2,7 +2,9 @@
 # The test command (CI runs it through .ci/run): formatting, lints, every Rust test
 # (property tests with 10,000 random sequences), and the C++ allocator compiled and linked
 # against PyPI's torch 2.11.0 wheel and CUDA 13 headers, and against the headers of torch
-# 1.13.1, 2.0.1, 2.1.2 and 2.6.0 (downloaded on first use), and the tch example.
+# 1.13.1, 2.0.1, 2.1.2 and 2.6.0 (downloaded on first use), the Python wheel (built with pip
+# against the torch 2.11.0 wheel, installed in a clean venv, its tests run from there), and
+# the tch example.
 # SKIP_TORCH_BUILD=1 skips the C++ build (no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +24,10 @@ if [ -x scripts/build-torch-ext.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
   step "C++ allocator against the torch 2.11.0 wheel"
   bash scripts/build-torch-ext.sh
 fi
+if [ -x scripts/build-wheel.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
+  step "Python wheel (pip wheel ./python) against the torch 2.11.0 wheel, installed in a clean venv and tested there"
+  bash scripts/build-wheel.sh --test
+fi
 if [ -f scripts/check-torch-versions.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; then
   step "C++ allocator against torch 1.13.1, 2.0.1, 2.1.2 and 2.6.0 headers and libraries"
   bash scripts/check-torch-versions.sh
@@ -30,7 +36,7 @@ if [ -x scripts/build-tch-example.sh ] && [ "${SKIP_TORCH_BUILD:-0}" != 1 ]; the
   step "tch example against the torch 2.11.0 wheel"
   bash scripts/build-tch-example.sh
 fi
-step "python tests (no GPU: bench report, package)"
+step "python tests (no GPU: bench report, package, metrics, wheel build checks; source tree)"
 pydirs=()
 for d in bench/tests python/tests; do [ -d "$d" ] && pydirs+=("$d"); done
 if [ ${#pydirs[@]} -gt 0 ]; then

@@ -24,7 +24,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 __all__ = [
     "enable",
@@ -36,10 +36,23 @@ __all__ = [
     "build_info",
     "check_config",
     "conf_string",
+    "check_torch",
+    "serve_metrics",
+    "raw_stats",
+    "device_count",
+    "debug_report",
+    "debug_check",
     "tier",
 ]
 
-__version__ = "0.1.0"
+_BASE_VERSION = "0.1.0"
+try:  # written when a wheel is built (python/_build/gmlake_backend.py)
+    from . import _build_info  # type: ignore[attr-defined]
+
+    __version__: str = _build_info.__version__
+except ImportError:  # a source checkout used through PYTHONPATH=python
+    _build_info = None  # type: ignore[assignment]
+    __version__ = _BASE_VERSION
 
 _LIB_NAME = "libgmlake_torch.so"
 _lock = threading.Lock()
@@ -77,9 +90,48 @@ def library_path() -> str:
     raise RuntimeError(
         "gmlake: libgmlake_torch.so not found (tried: "
         + ", ".join(tried)
-        + "). Build it with scripts/build-torch-ext.sh or cmake (docs/pytorch.md), "
-        "or set GMLAKE_LIBRARY to its path."
+        + "). Install the package with its library (pip install <gmlake checkout>/python "
+        "--no-build-isolation), build it with scripts/build-torch-ext.sh or cmake "
+        "(docs/pytorch.md), or set GMLAKE_LIBRARY to its path."
     )
+
+
+def _packaged_library() -> Path:
+    return Path(__file__).resolve().parent / _LIB_NAME
+
+
+def check_torch(torch_version: str, cuda_version: Optional[str]) -> None:
+    """Raises ``RuntimeError`` naming both versions if the library installed with this package
+    was built for another torch (major.minor) or CUDA major version than the given ones.
+    Does nothing in a source checkout (no ``_build_info``); there the library checks itself."""
+    if _build_info is None:
+        return
+
+    def major_minor(v: str):
+        parts = str(v).split("+")[0].split(".")
+        try:
+            return int(parts[0]), int(parts[1])
+        except (IndexError, ValueError):
+            return None
+
+    built = tuple(_build_info.TORCH_MAJOR_MINOR)
+    built_cuda = _build_info.CUDA_VERSION
+    what = (
+        f"gmlake {__version__} was built for torch {built[0]}.{built[1]} with CUDA {built_cuda} "
+        f"(torch {_build_info.TORCH_VERSION})"
+    )
+    fix = (
+        "; reinstall gmlake against this torch (pip install <gmlake checkout>/python "
+        "--no-build-isolation) or use a torch that matches"
+    )
+    if major_minor(torch_version) != built:
+        raise RuntimeError(f"gmlake: {what}, but this process runs torch {torch_version}{fix}")
+    if not cuda_version:
+        raise RuntimeError(f"gmlake: {what}, but this process runs torch {torch_version}, built without CUDA{fix}")
+    if str(cuda_version).split(".")[0] != str(built_cuda).split(".")[0]:
+        raise RuntimeError(
+            f"gmlake: {what}, but this process runs torch {torch_version} with CUDA {cuda_version}{fix}"
+        )
 
 
 def _load() -> ctypes.CDLL:
@@ -89,7 +141,13 @@ def _load() -> ctypes.CDLL:
             return _lib
         path = library_path()
         # torch first: its libraries (libc10, libc10_cuda, libcudart) satisfy ours by soname.
-        import torch  # noqa: F401
+        try:
+            import torch
+        except ImportError as e:
+            raise RuntimeError(f"gmlake: torch cannot be imported ({e}): gmlake runs inside PyTorch") from e
+
+        if _build_info is not None and Path(path).resolve() == _packaged_library():
+            check_torch(torch.__version__, getattr(getattr(torch, "version", None), "cuda", None))
 
         try:
             lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -115,6 +173,11 @@ def _load() -> ctypes.CDLL:
             f.restype = ctypes.c_longlong
         lib.gmlake_settings.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
         lib.gmlake_settings.restype = ctypes.c_longlong
+        if hasattr(lib, "gmlake_debug_check"):
+            lib.gmlake_debug_check.argtypes = [ctypes.c_int]
+            lib.gmlake_debug_check.restype = ctypes.c_longlong
+            lib.gmlake_debug_reports_json.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+            lib.gmlake_debug_reports_json.restype = ctypes.c_longlong
         _lib, _lib_path = lib, path
         return lib
 
@@ -179,6 +242,112 @@ def enable(conf: Optional[str] = None, **config: Any) -> None:
     rc = lib.gmlake_install_checked(text.encode(), torch.__version__.encode(), abi)
     if rc != 0:
         raise RuntimeError(_last_error(lib))
+    _debug_setup()
+
+
+# History actions left out while the debug mode records stacks for its reports only.
+_DEBUG_SKIP = [
+    "alloc",
+    "free_requested",
+    "free_completed",
+    "segment_alloc",
+    "segment_free",
+    "segment_map",
+    "segment_unmap",
+]
+
+
+def _debug_modes() -> List[str]:
+    """The memory debugging modes on (``debug:`` of the settings), e.g. ``["guard", "canary"]``."""
+    for item in settings().split(","):
+        k, _, v = item.partition(":")
+        if k == "debug":
+            return [m for m in v.split("+") if m and m != "off"]
+    return []
+
+
+def _debug_setup() -> None:
+    """Debug mode with canaries: record the Python stack of each allocation (through torch's
+    memory history, actions skipped so that it keeps only gmlake's reports), so that a report
+    names the allocation's frames. Deferred to CUDA's initialization (recording history
+    initializes CUDA). ``GMLAKE_DEBUG_STACKS=0`` turns it off."""
+    try:
+        if "canary" not in _debug_modes() or os.environ.get("GMLAKE_DEBUG_STACKS", "1") == "0":
+            return
+        import torch.cuda
+
+        torch.cuda._lazy_call(_debug_record_stacks)
+    except Exception as e:  # the reports lose their frames, nothing else
+        import warnings
+
+        warnings.warn(f"gmlake: debug mode cannot record allocation stacks: {e}")
+
+
+def _debug_record_stacks() -> None:
+    try:
+        import torch
+
+        rec = torch.cuda.memory._record_memory_history
+        try:
+            rec(
+                enabled="all",
+                context="alloc",
+                stacks="python",
+                max_entries=10000,
+                skip_actions=_DEBUG_SKIP,
+            )
+        except Exception:  # torch without skip_actions (or other names): the whole history
+            rec(enabled="all", context="alloc", stacks="python", max_entries=100000)
+    except Exception as e:  # the reports lose their frames, nothing else
+        import warnings
+
+        warnings.warn(f"gmlake: debug mode cannot record allocation stacks: {e}")
+
+
+def debug_check(wait: bool = True) -> int:
+    """Memory debugging mode: checks the canaries of the blocks freed so far (with ``wait``,
+    after waiting for their stream-ordered copies; otherwise only those already done) and
+    returns the number of reports so far. Raises ``RuntimeError`` if gmlake is not enabled."""
+    if not is_enabled():
+        raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")
+    n = _lib.gmlake_debug_check(1 if wait else 0)
+    if n < 0:
+        raise RuntimeError(_last_error(_lib))
+    return int(n)
+
+
+def debug_report(wait: bool = True) -> List[Dict[str, Any]]:
+    """Memory debugging mode (``GMLAKE_CONF=debug:...``, see docs/pytorch.md "Memory
+    debugging"): the damaged canaries found so far, after :func:`debug_check`, as dicts:
+    ``kind`` ("canary"), ``device``, ``address``, ``requested`` (bytes asked for), ``size``
+    (the block's bytes), ``stream``, ``first_bad`` (offset past the end of the request of the
+    first damaged byte), ``bad_bytes``, ``canary_bytes``, ``message``, and ``frames``: the
+    Python stack of the allocation (file, line, function dicts, innermost first; empty when no
+    stack was recorded)."""
+    debug_check(wait)
+    reports = json.loads(_json_call(_lib.gmlake_debug_reports_json))
+    if not reports:
+        return reports
+    traces: List[Any] = []
+    try:
+        import torch
+
+        traces = torch.cuda.memory._snapshot().get("device_traces", [])
+    except Exception:
+        pass
+    for r in reports:
+        r["frames"] = []
+        dev = r["device"]
+        if 0 <= dev < len(traces):
+            for t in reversed(traces[dev]):
+                if (
+                    t.get("action") == "snapshot"
+                    and t.get("addr") == r["address"]
+                    and t.get("size") == r["requested"]
+                ):
+                    r["frames"] = list(t.get("frames", []))
+                    break
+    return reports
 
 
 def is_enabled() -> bool:
@@ -219,9 +388,12 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.stitches``, ``gmlake.pages_stitched``, ``gmlake.cached_bytes``,
     ``gmlake.retired_bytes``, ``gmlake.pending_frees``, ``gmlake.unknown_frees``,
     ``gmlake.ipc_shares``, ``gmlake.ipc_imports``, ``gmlake.ipc_imported_bytes``,
+    the memory debugging mode's ``gmlake.debug_guarded``, ``gmlake.debug_guard_bytes``,
+    ``gmlake.debug_quarantine_blocks``, ``gmlake.debug_quarantine_bytes``,
+    ``gmlake.debug_canary_errors``, ``gmlake.debug_pages`` (0 when it is off),
     ``gmlake.initialized`` (0 until the device's first allocation, all counters then zero),
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>``,
-    ``gmlake.device_total``, ``gmlake.page_size``. (No device free memory: reading it can
+    ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``. (No device free memory: reading it can
     wait for the GPU; use ``torch.cuda.mem_get_info()``.)
     Raises ``RuntimeError`` if gmlake is not installed."""
     if not is_enabled():
@@ -235,6 +407,32 @@ def stats(device=None) -> Dict[str, Any]:
         if k.startswith("gmlake."):
             out[k] = v
     return out
+
+
+def raw_stats(device: int) -> Dict[str, Any]:
+    """gmlake's statistics of one device from one read of the allocator (no call into torch):
+    PyTorch's keys (``reserved_bytes.all.current``, ``num_ooms``, ...) and gmlake's
+    (``gmlake.*``, including ``gmlake.largest_free_block``). ``gmlake.initialized`` is 0 (all
+    zero) until the device's first allocation. What the metrics endpoint reads."""
+    if not is_enabled():
+        raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")
+    return json.loads(_json_call(_lib.gmlake_stats_json, int(device)))
+
+
+def device_count() -> int:
+    """The number of devices the installed allocator knows (0 before CUDA initializes)."""
+    if not is_enabled():
+        return 0
+    return int(_lib.gmlake_device_count())
+
+
+def serve_metrics(port: int = 9400, addr: str = "127.0.0.1", **kwargs: Any):
+    """Starts a Prometheus endpoint (http://ADDR:PORT/metrics) with gmlake's per-device
+    statistics, in a background thread; see :mod:`gmlake.metrics`. Needs prometheus-client
+    (``pip install 'gmlake[metrics]'``). Returns the server."""
+    from .metrics import serve_metrics as _serve
+
+    return _serve(port=port, addr=addr, **kwargs)
 
 
 def snapshot(device=None) -> Dict[str, Any]:

@@ -11,9 +11,11 @@ import os
 import runpy
 import sys
 
-USAGE = """usage: python -m gmlake [--conf KEY:VALUE,...] [--quiet] [--no-children] script.py [args...]
-       python -m gmlake [--conf KEY:VALUE,...] [--quiet] [--no-children] -m module [args...]
+USAGE = """usage: python -m gmlake [--conf KEY:VALUE,...] [--quiet] [--no-children]
+                        [--metrics-port N [--metrics-addr ADDR]] script.py [args...]
+       python -m gmlake [options] -m module [args...]
        python -m gmlake --check [--conf KEY:VALUE,...]
+       python -m gmlake --version
 
 Installs the gmlake allocator into PyTorch, then runs the program unchanged. Python processes
 the program starts (torch.multiprocessing / DataLoader workers, subprocesses) install it too
@@ -21,6 +23,9 @@ when they import torch, unless --no-children.
 Configuration: GMLake's variables (vmmDefragment, fragLimit, reuseLimit, defragLevel, autoGC),
 GMLAKE_CONF=key:value,..., then --conf. The library is GMLAKE_LIBRARY or found next to the
 package / in the build folders (see gmlake.library_path()).
+--metrics-port N serves Prometheus metrics at http://ADDR:N/metrics (ADDR: --metrics-addr,
+default 127.0.0.1) while the program runs (needs pip install 'gmlake[metrics]'); under
+torchrun each rank serves on N + LOCAL_RANK.
 """
 
 
@@ -30,6 +35,8 @@ def main(argv=None) -> int:
     quiet = False
     check = False
     children = True
+    metrics_port = None
+    metrics_addr = "127.0.0.1"
     while argv and argv[0].startswith("-") and argv[0] != "-m":
         opt = argv.pop(0)
         if opt in ("-h", "--help"):
@@ -48,6 +55,28 @@ def main(argv=None) -> int:
             check = True
         elif opt == "--no-children":
             children = False
+        elif opt in ("--metrics-port", "--metrics-addr") or opt.startswith(("--metrics-port=", "--metrics-addr=")):
+            name, eq, value = opt.partition("=")
+            if not eq:
+                if not argv:
+                    print(f"gmlake: {name} needs a value\n" + USAGE, file=sys.stderr)
+                    return 2
+                value = argv.pop(0)
+            if name == "--metrics-addr":
+                metrics_addr = value
+                continue
+            from gmlake.metrics import _check_port
+
+            try:
+                metrics_port = _check_port(value)
+            except ValueError as e:
+                print(e, file=sys.stderr)
+                return 2
+        elif opt == "--version":
+            import gmlake
+
+            print(f"gmlake {gmlake.__version__}")
+            return 0
         elif opt == "--":
             break
         else:
@@ -76,6 +105,17 @@ def main(argv=None) -> int:
         return 1
     if not quiet and os.environ.get("GMLAKE_QUIET", "") in ("", "0"):
         print(f"[gmlake] allocator installed ({gmlake.library_path()})", file=sys.stderr)
+    if metrics_port is not None:
+        port = metrics_port
+        rank = os.environ.get("LOCAL_RANK", "")
+        if port and rank.isdigit():
+            port += int(rank)
+        try:
+            server = gmlake.serve_metrics(port=port, addr=metrics_addr)
+        except (RuntimeError, ValueError) as e:
+            print(e, file=sys.stderr)
+            return 1
+        print(f"[gmlake] metrics at {server.url}", file=sys.stderr)
     if children:
         from gmlake._autoenable import environment_for_children
 

@@ -1,4 +1,7 @@
-"""Tests of the gmlake Python package that need neither a GPU nor torch."""
+"""Tests of the gmlake Python package that need neither a GPU nor torch.
+
+With GMLAKE_TEST_INSTALLED=1 they test the installed package (run from outside the source
+tree, no PYTHONPATH); otherwise the source tree's python/."""
 
 import os
 import subprocess
@@ -8,7 +11,9 @@ from pathlib import Path
 import pytest
 
 PYDIR = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(PYDIR))
+INSTALLED = os.environ.get("GMLAKE_TEST_INSTALLED", "") not in ("", "0")
+if not INSTALLED:
+    sys.path.insert(0, str(PYDIR))
 
 import gmlake  # noqa: E402
 from gmlake.__main__ import main  # noqa: E402
@@ -66,7 +71,9 @@ def test_launcher_usage_and_errors(capsys):
 def test_launcher_reports_a_missing_library(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("print('ran')\n")
-    env = dict(os.environ, PYTHONPATH=str(PYDIR), GMLAKE_LIBRARY=str(tmp_path / "missing.so"))
+    env = dict(os.environ, GMLAKE_LIBRARY=str(tmp_path / "missing.so"))
+    if not INSTALLED:
+        env["PYTHONPATH"] = str(PYDIR)
     r = subprocess.run([sys.executable, "-m", "gmlake", str(script)], env=env, capture_output=True, text=True)
     assert r.returncode == 1
     assert "libgmlake_torch.so not found" in r.stderr
@@ -122,3 +129,53 @@ def test_launcher_no_children_flag_is_accepted(capsys):
     assert "unknown option" not in capsys.readouterr().err
     assert main(["--no-such-flag"]) == 2
     assert "unknown option" in capsys.readouterr().err
+
+
+def test_the_package_under_test_is_the_intended_one():
+    here = Path(gmlake.__file__).resolve()
+    if INSTALLED:
+        assert PYDIR not in here.parents, f"{here} is the source tree, not the installed package"
+    else:
+        assert PYDIR in here.parents
+
+
+def test_launcher_checks_the_metrics_port(capsys):
+    assert main(["--metrics-port", "70000", "train.py"]) == 2
+    assert "out of range" in capsys.readouterr().err
+    assert main(["--metrics-port", "x", "train.py"]) == 2
+    assert "invalid metrics port" in capsys.readouterr().err
+    assert main(["--metrics-port"]) == 2
+    assert main(["--version"]) == 0
+    assert gmlake.__version__ in capsys.readouterr().out
+
+
+def test_check_torch_names_both_versions(monkeypatch):
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(__version__="0.1.0+torch211.cu130", TORCH_VERSION="2.11.0+cu130",
+                           TORCH_MAJOR_MINOR=(2, 11), CUDA_VERSION="13.0")
+    monkeypatch.setattr(gmlake, "_build_info", info)
+    gmlake.check_torch("2.11.0+cu130", "13.0")
+    gmlake.check_torch("2.11.1", "13.2")  # same minor, same CUDA major
+    with pytest.raises(RuntimeError) as e:
+        gmlake.check_torch("2.10.0+cu128", "12.8")
+    msg = str(e.value)
+    assert "built for torch 2.11 with CUDA 13.0" in msg and "runs torch 2.10.0+cu128" in msg, msg
+    assert "--no-build-isolation" in msg
+    with pytest.raises(RuntimeError, match="runs torch 2.11.0\\+cu126 with CUDA 12.6"):
+        gmlake.check_torch("2.11.0+cu126", "12.6")
+    with pytest.raises(RuntimeError, match="runs torch 2.11.0\\+cpu, built without CUDA"):
+        gmlake.check_torch("2.11.0+cpu", None)
+    monkeypatch.setattr(gmlake, "_build_info", None)
+    gmlake.check_torch("1.0.0", None)  # a source checkout: the library checks itself
+
+
+def test_enable_without_torch_says_so(monkeypatch, tmp_path):
+    lib = tmp_path / "libgmlake_torch.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("GMLAKE_LIBRARY", str(lib))
+    monkeypatch.setattr(gmlake, "_lib_path", None)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(RuntimeError, match="torch cannot be imported"):
+        gmlake.enable()
+    assert not gmlake.is_enabled()

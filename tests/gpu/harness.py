@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PYDIR = REPO / "python"
+# Where the cases import gmlake from: the source tree, or an installed wheel's folder
+# (GMLAKE_GPU_PYDIR; scripts/gpu-suite.sh sets it with GMLAKE_WHEEL).
+PYDIR = Path(os.environ.get("GMLAKE_GPU_PYDIR") or REPO / "python")
 CASES = Path(__file__).resolve().parent / "cases"
 PYTHON = os.environ.get("GMLAKE_GPU_PYTHON", sys.executable)
 OUT = Path(os.environ["GMLAKE_GPU_OUT"]) if os.environ.get("GMLAKE_GPU_OUT") else None

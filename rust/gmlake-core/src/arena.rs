@@ -128,6 +128,9 @@ pub(crate) struct Arena {
     pub retired_blocks: u64,
     /// The `freed` stamp of the most recent free in this arena.
     pub last_free: u64,
+    /// Where the allocator's bounded scan for a reusable window starts (a lent block
+    /// address; the scan wraps around). Only a hint: any value is valid.
+    pub reuse_cursor: u64,
 }
 
 impl Arena {
@@ -154,6 +157,7 @@ impl Arena {
             live_blocks: 0,
             retired_blocks: 0,
             last_free: 0,
+            reuse_cursor: 0,
         }
     }
 
@@ -784,6 +788,11 @@ impl Arena {
     /// The handle lent at `va`.
     pub fn lent_at(&self, va: u64) -> Option<PhysHandle> {
         self.lent.get(&va).copied()
+    }
+
+    /// The aliases in [lo, hi), in address order: (va, handle).
+    pub fn lent_in(&self, lo: u64, hi: u64) -> impl Iterator<Item = (u64, PhysHandle)> + '_ {
+        self.lent.range(lo..hi).map(|(&v, &h)| (v, h))
     }
 
     /// Every (va, handle) alias whose handle satisfies `pred`.

@@ -68,6 +68,15 @@ pub struct Config {
     /// entry per interval, [1 MiB, 2 MiB) first and [32 GiB, ...) last (sizes below 1 MiB use
     /// the first); 0 or 1: no rounding beyond 512 bytes.
     pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    /// `debug`, `debug_quarantine`, `debug_guard_min`, `debug_canary_bytes`: the memory
+    /// debugging mode (off by default; see [`crate::debug`]).
+    pub debug: crate::debug::DebugConfig,
+    /// `util_target`: when a miss needs pages, create new memory before stitching as long as
+    /// the pages held stay within (active bytes + the request) / util_target; stitch beyond
+    /// that. Trades a bounded share of utilization for fewer driver calls where lifetimes
+    /// are random (a stitch maps every page it moves, on every miss). None (`off`, the
+    /// default): stitch first, as `defragLevel` says.
+    pub util_target: Option<f64>,
 }
 
 /// Intervals of `roundup_power2_divisions`, as PyTorch's (1 MiB to 64 GiB).
@@ -88,6 +97,8 @@ impl Default for Config {
             limit_bytes: None,
             max_aliases: 4.0,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            debug: crate::debug::DebugConfig::default(),
+            util_target: None,
         }
     }
 }
@@ -106,6 +117,11 @@ pub const CONFIG_KEYS: &[&str] = &[
     "limit",
     "max_aliases",
     "roundup_power2_divisions",
+    "debug",
+    "debug_quarantine",
+    "debug_guard_min",
+    "debug_canary_bytes",
+    "util_target",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -292,6 +308,10 @@ impl Config {
 
     /// Sets one key (GMLake's names, or this project's snake_case names; case-insensitive).
     pub fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        // The memory debugging mode's keys (`debug*`), in their own module.
+        if self.debug.set(key, value)? {
+            return Ok(());
+        }
         let v = value.trim();
         let size = |k: &str| parse_size(v).map_err(|r| invalid(k, value, r));
         match key.trim().to_ascii_lowercase().as_str() {
@@ -353,6 +373,19 @@ impl Config {
                     return Err(invalid(key, value, "expected a finite number >= 0"));
                 }
                 self.max_aliases = f;
+            }
+            "util_target" | "utiltarget" => {
+                let why = "expected a fraction in (0, 1] or off";
+                self.util_target = match v.to_ascii_lowercase().as_str() {
+                    "off" | "none" => None,
+                    _ => {
+                        let f: f64 = v.parse().map_err(|_| invalid(key, value, why))?;
+                        if !(f > 0.0 && f <= 1.0) {
+                            return Err(invalid(key, value, why));
+                        }
+                        Some(f)
+                    }
+                };
             }
             "small_size" | "smallsize" => {
                 let s = size(key)?;
@@ -450,6 +483,11 @@ impl Config {
             ("small_size", self.small_size.to_string()),
             ("max_aliases", self.max_aliases.to_string()),
             (
+                "util_target",
+                self.util_target
+                    .map_or("off".to_string(), |f| f.to_string()),
+            ),
+            (
                 "memory_fraction",
                 self.memory_fraction
                     .map_or("none".to_string(), |f| f.to_string()),
@@ -460,6 +498,9 @@ impl Config {
                 roundup_text(&self.roundup_power2_divisions),
             ),
         ]
+        .into_iter()
+        .chain(self.debug.to_pairs())
+        .collect()
     }
 }
 
@@ -533,6 +574,17 @@ mod tests {
             .contains("nonsense"));
         assert!(c.set("memory_fraction", "1.5").is_err());
         assert!(c.set("page_size", "3MiB").is_err());
+        for bad in ["0", "1.5", "-0.5", "nan", "high"] {
+            let e = c.set("util_target", bad).unwrap_err();
+            assert!(
+                e.to_string().contains("util_target") && e.to_string().contains(bad),
+                "{e}"
+            );
+        }
+        c.set("util_target", "0.95").unwrap();
+        assert_eq!(c.util_target, Some(0.95));
+        c.set("util_target", "off").unwrap();
+        assert_eq!(c.util_target, None);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 pub mod allocator;
 mod arena;
 pub mod config;
+pub mod debug;
 pub mod device;
 pub mod error;
 pub mod ipc;
@@ -23,6 +24,7 @@ pub mod tier_trace;
 
 pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
 pub use config::{parse_size, Config, StitchStrategy};
+pub use debug::DebugConfig;
 pub use device::{
     Device, DeviceError, DevicePtr, DeviceResult, EventHandle, HostPtr, PhysHandle, StreamId,
 };

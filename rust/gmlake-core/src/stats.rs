@@ -191,6 +191,16 @@ pub struct DeviceStats {
     /// reserved or allocated bytes: the memory is the exporter's).
     pub ipc_imports: u64,
     pub ipc_imported_bytes: u64,
+    /// Memory debugging mode (all 0 when it is off): live allocations placed between guard
+    /// pages and the bytes of their guard pages (virtual only); freed blocks held in the
+    /// quarantine and their bytes; damaged canaries found; pages the mode holds (counted in
+    /// reserved bytes).
+    pub debug_guarded: u64,
+    pub debug_guard_bytes: u64,
+    pub debug_quarantine_blocks: u64,
+    pub debug_quarantine_bytes: u64,
+    pub debug_canary_errors: u64,
+    pub debug_pages: u64,
     pub driver_calls: DriverCalls,
 }
 

@@ -39,8 +39,8 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn config() -> impl Strategy<Value = Config> {
-    (0u32..3, 0usize..3, prop::bool::ANY, 0usize..3).prop_map(
-        |(level, strategy, small_frag, aliases)| Config {
+    (0u32..3, 0usize..3, prop::bool::ANY, 0usize..3, 0usize..3).prop_map(
+        |(level, strategy, small_frag, aliases, target)| Config {
             defrag_level: level,
             stitch_strategy: [
                 StitchStrategy::BestFit,
@@ -50,6 +50,8 @@ fn config() -> impl Strategy<Value = Config> {
             frag_limit: if small_frag { 4 << 20 } else { 0 },
             // No kept aliases, the default, and a bound small enough to evict often.
             max_aliases: [0.0, 4.0, 0.01][aliases],
+            // Stitch first (the default), or create first within a utilization budget.
+            util_target: [None, Some(0.9), Some(0.5)][target],
             ..Config::default()
         },
     )
@@ -208,6 +210,62 @@ fn long_sequence_reuses_and_replaces_aliases() {
     let s = a.stats();
     assert!(s.stitch_reuses > 0 && s.pages_reused > 0, "{s:?}");
     assert!(s.aliases_replaced > 0, "{s:?}");
+}
+
+/// bench/latency.cpp's random mixed pattern (sizes log-uniform in 512 B..32 MiB, a random
+/// live block replaced each step), with the scan for a reusable window bounded so low that
+/// it is cut short and resumes where it stopped, wrapping around. Invariants checked every 500 steps and at the end; with a
+/// utilization budget too.
+#[test]
+fn random_regime_keeps_invariants_with_a_resumed_scan() {
+    for target in [None, Some(0.95)] {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let (lmin, lmax) = ((512f64).ln(), ((32u64 << 20) as f64).ln());
+        let mut draw = move || {
+            let u = (next() >> 11) as f64 / (1u64 << 53) as f64;
+            (lmin + u * (lmax - lmin)).exp() as u64
+        };
+        let dev = Arc::new(SimDevice::new(1 << 40).asynchronous());
+        let cfg = Config {
+            util_target: target,
+            ..Config::default()
+        };
+        let a = Allocator::new(dev.clone(), cfg).unwrap();
+        a.set_reuse_scan_limit(64);
+        let mut live: Vec<(u64, u64)> = (0..1000)
+            .map(|_| {
+                let s = draw();
+                (a.allocate(s, 0).unwrap(), s)
+            })
+            .collect();
+        for step in 0..20_000usize {
+            let i = (draw() as usize).wrapping_mul(2_654_435_761) % live.len();
+            a.free(live[i].0).unwrap();
+            let s = draw();
+            live[i] = (a.allocate(s, 0).unwrap(), s);
+            if step % 64 == 0 {
+                dev.complete_all();
+            }
+            if step % 500 == 0 {
+                a.verify().unwrap();
+            }
+        }
+        a.verify().unwrap();
+        check_live(&dev, &live).unwrap();
+        let s = a.stats();
+        assert!(s.stitch_reuses > 0 && s.aliases_replaced > 0, "{s:?}");
+        for (p, _) in live {
+            a.free(p).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(dev.physical_bytes(), 0);
+    }
 }
 
 proptest! {

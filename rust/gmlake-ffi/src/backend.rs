@@ -88,6 +88,7 @@ pub trait Core: Send + Sync {
     fn take_history(&self) -> Vec<TraceEvent>;
     fn page_size(&self) -> u64;
     fn config(&self) -> Config;
+    fn debug_note_canary_error(&self);
     fn device_free(&self) -> DeviceResult<usize>;
     fn device_total(&self) -> DeviceResult<usize>;
     fn limit(&self) -> Option<u64>;
@@ -193,6 +194,9 @@ impl<D: Device + PeerAccess + 'static> Core for Arc<Allocator<CaptureAware<D>>> 
     }
     fn config(&self) -> Config {
         Allocator::config(self)
+    }
+    fn debug_note_canary_error(&self) {
+        Allocator::debug_note_canary_error(self)
     }
     fn device_free(&self) -> DeviceResult<usize> {
         self.device().free_memory()

@@ -110,6 +110,12 @@ pub fn stats(s: &DeviceStats, extra: &[(&str, u64)]) -> String {
     o.num("gmlake.ipc_shares", s.ipc_shares);
     o.num("gmlake.ipc_imports", s.ipc_imports);
     o.num("gmlake.ipc_imported_bytes", s.ipc_imported_bytes);
+    o.num("gmlake.debug_guarded", s.debug_guarded);
+    o.num("gmlake.debug_guard_bytes", s.debug_guard_bytes);
+    o.num("gmlake.debug_quarantine_blocks", s.debug_quarantine_blocks);
+    o.num("gmlake.debug_quarantine_bytes", s.debug_quarantine_bytes);
+    o.num("gmlake.debug_canary_errors", s.debug_canary_errors);
+    o.num("gmlake.debug_pages", s.debug_pages);
     o.num("gmlake.driver_calls", s.driver_calls.total());
     for (name, n) in s.driver_calls.as_pairs() {
         o.num(&format!("gmlake.driver_calls.{name}"), n);

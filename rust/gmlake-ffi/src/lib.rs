@@ -368,6 +368,12 @@ pub mod ffi {
         fn take_history(self: &Gmlake) -> Result<Vec<TraceRecord>>;
         fn page_size(self: &Gmlake) -> Result<u64>;
         fn config(self: &Gmlake) -> Result<Vec<KeyValue>>;
+        /// The memory debugging mode: bit 0 guard pages, 1 canaries, 2 poison, 3 quarantine,
+        /// 4 front guard pages; 0 when off.
+        fn debug_mode(self: &Gmlake) -> Result<u32>;
+        /// Debug mode: a damaged canary was found (counted in the stats, logged through
+        /// `tracing` with `report`).
+        fn debug_canary_error(self: &Gmlake, report: &str) -> Result<()>;
         /// Whether requests of `size` bytes may be stitched under the configuration.
         fn may_stitch(self: &Gmlake, size: u64) -> Result<bool>;
         fn memory_info(self: &Gmlake) -> Result<MemInfo>;
@@ -860,6 +866,12 @@ impl Gmlake {
                 extra.push(("device_total", t as u64));
             }
             extra.push(("page_size", self.core.page_size()));
+            // The largest free mapped block (what one request can get without stitching or
+            // new memory): for fragmentation metrics.
+            extra.push((
+                "largest_free_block",
+                self.core.cache_info().largest_free_block,
+            ));
             Ok(json::stats(&s, &extra))
         })
     }
@@ -947,6 +959,18 @@ impl Gmlake {
         guard("config", || Ok(pairs(&self.core.config())))
     }
 
+    fn debug_mode(&self) -> Result<u32, String> {
+        guard("debug_mode", || Ok(self.core.config().debug.mode_bits()))
+    }
+
+    fn debug_canary_error(&self, report: &str) -> Result<(), String> {
+        guard("debug_canary_error", || {
+            self.core.debug_note_canary_error();
+            tracing::error!(device = self.ordinal, "gmlake debug: {report}");
+            Ok(())
+        })
+    }
+
     fn may_stitch(&self, size: u64) -> Result<bool, String> {
         guard("may_stitch", || {
             let c = self.core.config();
@@ -1003,7 +1027,10 @@ impl Gmlake {
 }
 
 fn empty_stats_json() -> String {
-    json::stats(&DeviceStats::default(), &[("initialized", 0)])
+    json::stats(
+        &DeviceStats::default(),
+        &[("initialized", 0), ("largest_free_block", 0)],
+    )
 }
 
 fn ipc_handle_kind(handle: &[u8]) -> Result<u8, String> {

@@ -70,6 +70,17 @@ fn allocate_free_and_stats() {
     assert_eq!(s.driver_calls.len(), 11);
     let j = a.stats_json().unwrap();
     assert!(j.contains("\"gmlake.stitches\":"), "{j}");
+    // The freed memory is cached: a largest free mapped block exists, within the cache.
+    let largest: u64 = j
+        .split("\"gmlake.largest_free_block\":")
+        .nth(1)
+        .and_then(|t| t.split([',', '}']).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no gmlake.largest_free_block in {j}"));
+    assert!(
+        largest > 0 && largest <= a.stats().unwrap().cached_bytes,
+        "{j}"
+    );
     a.empty_cache().unwrap();
     assert_eq!(a.stats().unwrap().reserved_bytes[0].current, 0);
 }
@@ -250,6 +261,95 @@ fn stats_json_says_whether_the_allocator_exists() {
     let empty = empty_stats_json();
     assert!(empty.contains("\"gmlake.initialized\":0"), "{empty}");
     assert!(empty.contains("\"gmlake.stitches\":0"), "{empty}");
+    assert!(empty.contains("\"gmlake.largest_free_block\":0"), "{empty}");
     let live = sim(GIB, "").stats_json().unwrap();
     assert!(live.contains("\"gmlake.initialized\":1"), "{live}");
+}
+
+/// The keys of a flat JSON object as this crate writes it.
+fn json_keys(j: &str) -> Vec<String> {
+    let mut keys: Vec<String> = j
+        .split(['{', ','])
+        .filter_map(|part| part.trim().strip_prefix('"')?.split_once("\":"))
+        .map(|(k, _)| k.to_string())
+        .collect();
+    keys.sort();
+    keys
+}
+
+/// python/tests/data/stats-sim.json (what the metrics tests feed their stub) has the keys of
+/// the real statistics: when they change, regenerate it with
+/// `GMLAKE_UPDATE_FIXTURES=1 cargo test -p gmlake-ffi the_python_stats_fixture` (16
+/// allocations of 24 MiB, every other one freed, then 100 MiB, on a simulated 1 GiB device).
+#[test]
+fn the_python_stats_fixture_has_the_real_keys() {
+    let fixture = include_str!("../../../python/tests/data/stats-sim.json");
+    let a = sim(GIB, "");
+    let mut ptrs = vec![];
+    for _ in 0..16 {
+        ptrs.push(a.allocate(24 * MIB, 0).ptr);
+    }
+    for p in ptrs.iter().step_by(2) {
+        assert_eq!(a.free_ptr(*p).status, 0);
+    }
+    assert_eq!(a.allocate(100 * MIB, 0).status, 0);
+    let live = a.stats_json().unwrap();
+    if std::env::var_os("GMLAKE_UPDATE_FIXTURES").is_some() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../python/tests/data/stats-sim.json"
+        );
+        std::fs::write(path, format!("{live}\n")).unwrap();
+        return;
+    }
+    assert!(json_keys(fixture).len() > 100, "{fixture}");
+    assert_eq!(json_keys(fixture), json_keys(&live));
+    assert!(live.contains("\"gmlake.stitches\":1"), "{live}");
+}
+
+#[test]
+fn debug_mode_through_the_bridge() {
+    let off = sim(GIB, "");
+    assert_eq!(off.debug_mode().unwrap(), 0);
+    assert!(!off
+        .config()
+        .unwrap()
+        .iter()
+        .any(|kv| kv.key.starts_with("debug")));
+    let e = check_conf("debug:guard+sparkles").unwrap_err();
+    assert!(e.contains("debug") && e.contains("sparkles"), "{e}");
+    let g = sim(GIB, "debug:guard+canary+poison");
+    assert_eq!(g.debug_mode().unwrap(), 0b111);
+    let big = g.allocate(4 * MIB + 100, 0);
+    assert_eq!(big.status, 0, "{}", big.message);
+    let a = g.allocation(big.ptr + 10).unwrap();
+    assert!(a.found && a.ptr == big.ptr && a.requested == 4 * MIB + 100);
+    assert_eq!(
+        (big.ptr + a.size) % (2 * MIB),
+        0,
+        "a guarded block ends at its mapped end"
+    );
+    let small = g.allocate(1000, 0);
+    let a = g.allocation(small.ptr).unwrap();
+    assert_eq!((a.size, a.requested), (1536, 1000), "padded for the canary");
+    g.debug_canary_error("test report").unwrap();
+    let json = g.stats_json().unwrap();
+    for k in [
+        "\"gmlake.debug_guarded\":1",
+        "\"gmlake.debug_guard_bytes\":2097152",
+        "\"gmlake.debug_canary_errors\":1",
+    ] {
+        assert!(json.contains(k), "{k} not in {json}");
+    }
+    assert_eq!(g.free_ptr(big.ptr).status, 0);
+    assert_eq!(g.free_ptr(small.ptr).status, 0);
+    let q = sim(GIB, "debug:all");
+    assert_eq!(q.debug_mode().unwrap(), 0b1111);
+    let kv = q.config().unwrap();
+    let get = |k: &str| kv.iter().find(|kv| kv.key == k).map(|kv| kv.value.clone());
+    assert_eq!(
+        get("debug").as_deref(),
+        Some("guard+canary+poison+quarantine")
+    );
+    assert_eq!(get("debug_quarantine").as_deref(), Some("256"));
 }

@@ -183,6 +183,10 @@ extra = {}
 if ALLOCATOR == "gmlake":
     g = gmlake.stats()
     extra = {k: g[k] for k in ("gmlake.stitches", "gmlake.pages_stitched", "gmlake.driver_calls")}
+    if any(g.get(k) for k in ("gmlake.debug_guarded", "gmlake.debug_pages")) or "debug" in os.environ.get("GMLAKE_TEST_CONF", ""):
+        extra["debug_reports"] = len(gmlake.debug_report())
+        g = gmlake.stats()
+        extra.update({k: v for k, v in g.items() if k.startswith("gmlake.debug_")})
 result(
     allocator=ALLOCATOR, impl=impl, losses=losses, shapes=shapes,
     median_step_s=statistics.median(times[WARMUP:]), mean_step_s=statistics.mean(times[WARMUP:]),

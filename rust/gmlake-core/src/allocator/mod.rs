@@ -132,6 +132,11 @@ struct State {
     stats: DeviceStats,
     history_cap: usize,
     history: VecDeque<TraceEvent>,
+    /// The memory debugging mode; `None` when off (see `debug.rs`).
+    debug: Option<Box<debug::DebugState>>,
+    /// Lent pages one miss may examine for a reusable window (`pages::MAX_REUSE_CHECKS`;
+    /// tests lower it to exercise the resumed scan).
+    reuse_checks: u64,
 }
 
 /// The allocator for one device. `Send + Sync`; every operation takes one lock briefly.
@@ -149,6 +154,7 @@ macro_rules! drv {
     }};
 }
 
+mod debug;
 mod pages;
 mod release;
 mod report;
@@ -223,6 +229,7 @@ impl<D: Device> Allocator<D> {
         }
         let total = device.total_memory()? as u64;
         let chunk_size = total.div_ceil(page).max(64) * page;
+        let debug = debug::DebugState::new(&config.debug, page);
         let mut state = State {
             cfg: config,
             page,
@@ -248,6 +255,8 @@ impl<D: Device> Allocator<D> {
             },
             history_cap: 0,
             history: VecDeque::new(),
+            debug,
+            reuse_checks: pages::MAX_REUSE_CHECKS,
         };
         state.update_limit();
         tracing::debug!(page, total, "gmlake allocator created");
@@ -285,7 +294,13 @@ impl<D: Device> Allocator<D> {
         round_request(size)?;
         let mut st = self.state.lock();
         let rounded = st.cfg.round_size(size);
-        st.allocate(&self.device, size, rounded, stream, pool)
+        match st.allocate(&self.device, size, rounded, stream, pool) {
+            // Debug mode: the quarantine and spare guard pages go back before giving up.
+            Err(Error::OutOfMemory(_)) if st.debug_flush(&self.device, true)? => {
+                st.allocate(&self.device, size, rounded, stream, pool)
+            }
+            r => r,
+        }
     }
 
     /// As [`Allocator::allocate_in`], placing `rounded` bytes (at least `size`, rounded up to
@@ -362,7 +377,12 @@ impl<D: Device> Allocator<D> {
         if ptr == 0 {
             return Ok(());
         }
-        self.state.lock().free(&self.device, ptr)
+        let mut st = self.state.lock();
+        st.free(&self.device, ptr)?;
+        if st.debug.is_some() {
+            st.debug_after_free(&self.device)?;
+        }
+        Ok(())
     }
 
     /// Marks a live allocation as used on `stream` too: its memory is reused only after the
@@ -377,7 +397,7 @@ impl<D: Device> Allocator<D> {
                 Ok(())
             }
             Some(_) => Err(Error::DoubleFree(ptr)),
-            None => Err(Error::UnknownPointer(ptr)),
+            None => st.debug_record_stream(ptr, stream),
         }
     }
 
@@ -388,7 +408,12 @@ impl<D: Device> Allocator<D> {
         if st.captures > 0 {
             return Ok(());
         }
-        st.release_cached(&self.device)
+        st.release_cached(&self.device)?;
+        // Debug mode: the quarantine (pending frees just completed included) goes back too.
+        if st.debug_flush(&self.device, true)? {
+            st.release_cached(&self.device)?;
+        }
+        Ok(())
     }
 
     /// Caps reserved memory at `fraction` of the device (PyTorch's setMemoryFraction).
@@ -479,6 +504,7 @@ impl<D: Device> Allocator<D> {
         let imp = self.imports.lock();
         s.ipc_imported_bytes = imp.bytes();
         s.ipc_imports = imp.len() as u64;
+        st.debug_stats(&mut s);
         s
     }
 
@@ -512,7 +538,9 @@ impl<D: Device> Allocator<D> {
     /// The live allocation containing `ptr` (interior pointers included).
     pub fn allocation(&self, ptr: DevicePtr) -> Option<AllocationInfo> {
         let st = self.state.lock();
-        let (base, _) = st.live_containing(ptr)?;
+        let Some((base, _)) = st.live_containing(ptr) else {
+            return st.debug_allocation(ptr);
+        };
         let b = st.live.get(&base)?;
         let key = st.arenas[b.arena as usize].key;
         Some(AllocationInfo {
@@ -612,6 +640,14 @@ impl<D: Device> Allocator<D> {
         Ok(())
     }
 
+    /// Sets how many lent pages one miss may examine when it looks for a kept range to
+    /// reuse (default 4,096). For tests, which lower it so that scans are cut short and
+    /// resume where they stopped.
+    #[doc(hidden)]
+    pub fn set_reuse_scan_limit(&self, pages: u64) {
+        self.state.lock().reuse_checks = pages;
+    }
+
     /// Keeps up to `capacity` history events (0 turns history off and drops it).
     pub fn set_history(&self, capacity: usize) {
         let mut st = self.state.lock();
@@ -619,6 +655,11 @@ impl<D: Device> Allocator<D> {
         while st.history.len() > capacity {
             st.history.pop_front();
         }
+    }
+
+    /// Debug mode: counts a damaged canary found by the layer that checks them (C++).
+    pub fn debug_note_canary_error(&self) {
+        self.state.lock().debug_note_canary_error();
     }
 
     /// Takes the history recorded since the last call.
@@ -737,6 +778,13 @@ impl State {
         if !self.pending.is_empty() && self.captures == 0 {
             self.process_pending(dev, false)?;
         }
+        let size = match self.debug.is_some() {
+            false => size,
+            true => match self.debug_allocate(dev, requested, size, stream, pool)? {
+                debug::DebugAlloc::Placed(ptr) => return Ok(ptr),
+                debug::DebugAlloc::Size(padded) => padded,
+            },
+        };
         let kind = if size <= self.cfg.small_size {
             PoolKind::Small
         } else {
@@ -863,7 +911,9 @@ impl State {
                     None => size.div_ceil(self.page),
                 };
                 let max_busy = (fresh / 2).min((size.div_ceil(self.page) / 4).max(1));
-                if let Some(r) = self.find_reuse(aid, size, max_busy) {
+                let (found, cursor) = self.find_reuse(aid, size, max_busy);
+                self.arenas[aid as usize].reuse_cursor = cursor;
+                if let Some(r) = found {
                     if self.apply_reuse(dev, aid, &r, size)? {
                         let now = self.now;
                         self.with_arena(aid, |a| a.carve(r.start, size, now));
@@ -962,6 +1012,11 @@ impl State {
     }
 
     fn free<D: Device>(&mut self, dev: &D, ptr: DevicePtr) -> Result<()> {
+        if self.debug.is_some() {
+            if let Some(r) = self.debug_free(dev, ptr) {
+                return r;
+            }
+        }
         let Some(b) = self.live.get(&ptr) else {
             return Err(
                 if self.live_containing(ptr).is_some()
@@ -1005,6 +1060,9 @@ impl State {
     }
 
     fn finish_free(&mut self, ptr: DevicePtr) -> Result<()> {
+        if self.debug.is_some() && self.debug_hold(ptr) {
+            return self.debug_evict_blocks();
+        }
         let Some(b) = self.live.remove(&ptr) else {
             return Ok(());
         };

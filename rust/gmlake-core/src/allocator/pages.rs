@@ -37,8 +37,11 @@ pub(super) struct Reuse {
 
 /// Lent pages a miss examines at most when looking for a range to reuse: bounds the cost of
 /// a miss when many aliases are kept and few are free (random lifetimes); periodic jobs
-/// find their ranges well within it.
-const MAX_REUSE_CHECKS: u64 = 4_096;
+/// find their ranges well within it. A scan that runs out resumes, at the next miss, where
+/// it stopped (`Arena::reuse_cursor`), so that over a few misses every kept range is looked
+/// at: restarting at the lowest address each time saw the same few thousand pages, mostly
+/// busy, and missed the windows that random lifetimes free elsewhere.
+pub(super) const MAX_REUSE_CHECKS: u64 = 4_096;
 
 impl State {
     /// Finds `n` pages for arena `aid`: spare pages, then stitching and new memory in the
@@ -67,7 +70,14 @@ impl State {
         let level = self.cfg.defrag_level;
         let stitch =
             self.captures == 0 && self.cfg.may_stitch(size) && (level <= 1 || attempt >= 1);
-        let steal_first = stitch && level == 0;
+        // `util_target`: new memory first while what is held stays within active / target
+        // (creating costs a call per page once; stitching costs a map per page on every
+        // miss, and leaves the free space more fragmented, so more misses follow).
+        let within_budget = self.cfg.util_target.is_some_and(|t| {
+            let active = self.stats.active_bytes.aggregate().current.max(0) as u64 + size;
+            ((self.book.physical + need) * self.page) as f64 <= active as f64 / t
+        });
+        let steal_first = stitch && level == 0 && !within_budget;
         let mut avail = if steal_first {
             self.stealable_for(dev, aid, need, exclude)?
         } else {
@@ -353,18 +363,35 @@ impl State {
     /// where it is active are taken back with no driver call; lent pages whose page is in
     /// use elsewhere (*busy*) can be replaced: the alias unmapped and another page mapped
     /// there. The window with the fewest busy pages wins (then the fewest pages to move),
-    /// if it has at most `max_busy`. O(lent blocks and pages of the arena), bounded.
-    pub(super) fn find_reuse(&self, aid: u32, size: u64, max_busy: u64) -> Option<Reuse> {
+    /// if it has at most `max_busy`. O(lent blocks and pages of the arena), bounded by
+    /// `MAX_REUSE_CHECKS` (`reuse_checks`); the scan starts at the arena's `reuse_cursor` and wraps around.
+    /// Also returns where the next scan should start (the cursor moves only when the bound
+    /// cut this scan short).
+    pub(super) fn find_reuse(&self, aid: u32, size: u64, max_busy: u64) -> (Option<Reuse>, u64) {
         let arena = &self.arenas[aid as usize];
         let stream = arena.key.stream;
         let page = self.page;
         let mut best: Option<(u64, u64, u64)> = None; // (busy, moved, start)
-                                                      // Lent blocks in address order; a region holds several, so each region is walked
-                                                      // once (`scanned` is the end of the last one walked).
-        let mut scanned = 0u64;
+                                                      // Lent blocks in address order from the cursor, then from the lowest address up to
+                                                      // the cursor; a region holds several, so each region is walked once (`scanned` is
+                                                      // the end of the last one walked).
+        let cursor = arena.reuse_cursor;
+        let mut next_cursor = cursor;
+        let mut scanned = cursor;
+        let mut wrapped = cursor == 0;
         let mut checked = 0u64;
-        while let Some(laddr) = arena.lent_from(scanned).next() {
-            if checked > MAX_REUSE_CHECKS {
+        loop {
+            let laddr = match arena.lent_from(scanned).next() {
+                Some(a) if !(wrapped && a >= cursor && cursor > 0) => a,
+                _ if !wrapped => {
+                    wrapped = true;
+                    scanned = 0;
+                    continue;
+                }
+                _ => break,
+            };
+            if checked > self.reuse_checks {
+                next_cursor = laddr;
                 break;
             }
             let region = arena.reuse_region(laddr);
@@ -385,10 +412,12 @@ impl State {
                     continue;
                 }
                 checked += b.size / page;
-                for va in (addr..addr + b.size).step_by(page as usize) {
-                    let kind = match arena.lent_at(va) {
-                        Some(h) if self.reusable(h, aid, stream, (0, 0)) => 1,
-                        _ => 2,
+                // Every page of a lent block is an alias (I3).
+                for (va, h) in arena.lent_in(addr, addr + b.size) {
+                    let kind = if self.reusable(h, aid, stream, (0, 0)) {
+                        1
+                    } else {
+                        2
                     };
                     units.push((va, page, kind));
                 }
@@ -422,7 +451,9 @@ impl State {
                 break;
             }
         }
-        let (_, _, start) = best?;
+        let Some((_, _, start)) = best else {
+            return (None, next_cursor);
+        };
         // The window's lent pages, classified again with the exact window: a page active
         // inside the window cannot be taken from there, so its alias is replaced.
         let end = start + size;
@@ -441,7 +472,7 @@ impl State {
                 }
             }
         }
-        Some(r)
+        (Some(r), next_cursor)
     }
 
     /// Makes the window of `r` mapped free space of arena `aid`: takes its reusable lent

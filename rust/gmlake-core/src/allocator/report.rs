@@ -150,6 +150,11 @@ impl State {
                 self.book.physical
             ));
         }
+        // Debug mode: guarded allocations and their pages live outside the arenas.
+        self.debug_verify()?;
+        let (guarded, guarded_bytes, held_ranges, debug_pages) = self.debug_counts();
+        alloc[2] += guarded;
+        alloc_bytes[2] += guarded_bytes;
         let s = &self.stats;
         let cur = |a: &crate::stats::StatArray, i: usize| a.0[i].current;
         for i in 1..3 {
@@ -164,12 +169,13 @@ impl State {
                 ));
             }
         }
-        if cur(&s.reserved_bytes, 0) != (self.book.physical * self.page) as i64
-            || cur(&s.segment, 0) != self.book.physical as i64
+        if cur(&s.reserved_bytes, 0) != ((self.book.physical + debug_pages) * self.page) as i64
+            || cur(&s.segment, 0) != (self.book.physical + debug_pages) as i64
         {
             return Err("reserved stats differ from pages held".into());
         }
-        pool_pages[PoolKind::Large as usize] += self.book.physical as i64 - mapped as i64;
+        pool_pages[PoolKind::Large as usize] +=
+            self.book.physical as i64 - mapped as i64 + debug_pages as i64;
         for (i, &pages) in pool_pages.iter().enumerate().skip(1) {
             if cur(&s.segment, i) != pages || cur(&s.reserved_bytes, i) != pages * self.page as i64
             {
@@ -179,7 +185,7 @@ impl State {
                 ));
             }
         }
-        let active_count = self.live.len() as i64;
+        let active_count = self.live.len() as i64 + guarded + held_ranges;
         if cur(&s.active, 0) != active_count {
             return Err("active stats differ from recount".into());
         }

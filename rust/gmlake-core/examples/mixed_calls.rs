@@ -1,0 +1,95 @@
+//! Driver calls and utilization of bench/latency.cpp's random mixed pattern on the simulated
+//! device: `live` blocks alive, sizes log-uniform in [512 B, 32 MiB]; each step frees a
+//! random live block and allocates a new random size. After a warm-up (max(ops/5, 4 live)
+//! steps) it counts the driver calls of `ops` steps (2 ops each) and reports the peak
+//! utilization (active / reserved, sampled at every step) over them.
+//!
+//! Run: `cargo run --release -p gmlake-core --example mixed_calls -- [live] [ops] [key=value...]`
+//! (defaults 10000 and 1000000, latency.cpp's; key=value as `GMLAKE_CONF`).
+
+use gmlake_core::{Allocator, Config, SimDevice};
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let nums: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
+    let live_n = nums.first().copied().unwrap_or(10_000);
+    let ops = nums.get(1).copied().unwrap_or(1_000_000);
+    let mut cfg = Config::default();
+    for kv in args.iter().filter(|a| a.contains('=')) {
+        let (k, v) = kv.split_once('=').unwrap();
+        cfg.set(k, v).expect("a valid setting");
+    }
+    let a = Allocator::new(SimDevice::new(1 << 44), cfg).unwrap();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64
+        ^ std::env::var("MIXED_SEED")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+            .wrapping_mul(0x2545_f491_4f6c_dd1d);
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let (lmin, lmax) = ((512f64).ln(), ((32u64 << 20) as f64).ln());
+    let draw = |r: u64| {
+        let u = (r >> 11) as f64 / (1u64 << 53) as f64;
+        (lmin + u * (lmax - lmin)).exp() as u64
+    };
+    let mut live: Vec<u64> = Vec::with_capacity(live_n);
+    let mut sizes: Vec<u64> = Vec::with_capacity(live_n);
+    let mut active: u64 = 0;
+    for _ in 0..live_n {
+        let s = draw(next());
+        live.push(a.allocate(s, 0).unwrap());
+        sizes.push(s);
+        active += s;
+    }
+    let warm = (ops / 5).max(4 * live_n);
+    let mut c0 = a.device().calls();
+    let (mut peak_active, mut peak_reserved) = (0u64, 0u64);
+    let mut min_util = f64::INFINITY;
+    for i in 0..warm + ops {
+        if i == warm {
+            c0 = a.device().calls();
+        }
+        let r = next();
+        let j = (r >> 33) as usize % live_n;
+        a.free(live[j]).unwrap();
+        active -= sizes[j];
+        let s = draw(next());
+        live[j] = a.allocate(s, 0).unwrap();
+        sizes[j] = s;
+        active += s;
+        if i >= warm {
+            let res = a.reserved_bytes();
+            peak_active = peak_active.max(active);
+            peak_reserved = peak_reserved.max(res);
+            min_util = min_util.min(active as f64 / res as f64);
+        }
+    }
+    let c1 = a.device().calls();
+    let st = a.stats();
+    let busy_ms = ((c1.map - c0.map) as f64 * 150.9
+        + (c1.unmap - c0.unmap) as f64 * 145.0
+        + (c1.create_physical - c0.create_physical) as f64 * 116.0
+        + (c1.release_physical - c0.release_physical) as f64 * 61.0)
+        / 1000.0;
+    println!(
+        "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0}, calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}",
+        c1.total() - c0.total(),
+        c1.map - c0.map,
+        c1.unmap - c0.unmap,
+        c1.create_physical - c0.create_physical,
+        c1.release_physical - c0.release_physical,
+        (c1.record_event + c1.query_event + c1.create_event)
+            - (c0.record_event + c0.query_event + c0.create_event),
+        peak_active as f64 / peak_reserved as f64,
+        min_util,
+        st.stitches,
+        st.stitch_reuses,
+        st.alias_evictions,
+    );
+    a.verify().unwrap();
+}
