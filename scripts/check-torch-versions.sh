@@ -122,7 +122,7 @@ if [ "${NO_LINK:-0}" != 1 ]; then
     T="$ART/torch-headers/$v/torch"
     CUDART=$(ls "$ART/cuda-$series"/nvidia/cuda_runtime/lib/libcudart.so.* | head -1)
     out="$BUILD_DIR/$v/libgmlake_torch.so"
-    "$CXX" -shared -o "$out" "$BUILD_DIR/$v/gmlake_impl.o" "$BUILD_DIR/$v/gmlake_torch.o" "$FFI_LIB" \
+    "$CXX" -shared -o "$out" "$BUILD_DIR/$v/gmlake_impl.o" "$BUILD_DIR/$v/gmlake_torch.o" "$BUILD_DIR/$v/tier.o" "$FFI_LIB" \
       -L"$T/lib" -lc10_cuda -lc10 "$CUDART" -lpthread -ldl -lm -lrt -lutil -lgcc_s \
       -Wl,--no-undefined -Wl,--exclude-libs,ALL "-Wl,--version-script=$ROOT/cpp/gmlake_torch.map"
     if readelf -d "$out" | grep -q 'libcuda\.so'; then
