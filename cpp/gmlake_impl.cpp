@@ -156,6 +156,14 @@ std::string human_bytes(uint64_t b) {
 
 } // namespace
 
+namespace {
+std::atomic<TierRelief> g_tier_relief{nullptr};
+} // namespace
+
+void set_tier_relief(TierRelief relief) {
+  g_tier_relief.store(relief, std::memory_order_release);
+}
+
 void local_raw_delete(void* ptr) {
   if (ptr == nullptr) {
     return;
@@ -500,6 +508,14 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     debug_ctx = std::move(ctx);
   }
 
+  if (C10_UNLIKELY(r.status == 1) && !in_pool && ds.n_routes.load(std::memory_order_acquire) == 0) {
+    // The host tier may free memory (evictions whose copies complete, more evictions); not
+    // while a graph may be capturing (it waits for the device).
+    TierRelief relief = g_tier_relief.load(std::memory_order_acquire);
+    if (relief != nullptr && relief(device, nbytes)) {
+      r = call();
+    }
+  }
   if (C10_LIKELY(r.status == 0)) {
     void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(r.ptr));
     // Debug mode (not during a capture: no work may be queued on a capturing stream, and no

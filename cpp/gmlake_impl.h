@@ -114,6 +114,12 @@ using StreamFilter = std::function<bool(cudaStream_t)>;
 // The deleter of every DataPtr gmlake hands out (raw_deleter()).
 void local_raw_delete(void* ptr);
 
+// Called when an allocation of `bytes` on `device` ran out of memory, before the error is
+// raised: the host tier (tier.cpp) evicts put tensors and waits for their copies; true when
+// memory was freed (the allocation is then tried once more). nullptr: none registered.
+using TierRelief = bool (*)(int device, uint64_t bytes);
+void set_tier_relief(TierRelief relief);
+
 class Impl {
  public:
   static constexpr int kMaxDevices = 128;
@@ -128,6 +134,11 @@ class Impl {
 
   const std::string& conf() const {
     return conf_;
+  }
+
+  // The allocator of `device`, created if needed (the host tier, tier.cpp, builds on it).
+  const ffi::Gmlake& core_of(int device) {
+    return core(device);
   }
 
   // Lifecycle.

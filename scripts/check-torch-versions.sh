@@ -10,7 +10,7 @@
 # torch's torch/include, torch/version.py, torch/lib/libc10.so and libc10_cuda.so; CUDA runtime
 # headers and libcudart (nvidia-cuda-runtime-cu11 / -cu12) and crt/ headers (nvidia-cuda-nvcc).
 # Then, with -D_GLIBCXX_USE_CXX11_ABI=0 (PyPI wheels <= 2.6):
-#   2.x:  compiles cpp/gmlake_impl.cpp, cpp/gmlake_torch.cpp (the run-time install) and
+#   2.x:  compiles cpp/gmlake_impl.cpp, cpp/gmlake_torch.cpp (the run-time install), cpp/tier.cpp and
 #         cpp/compat/c10_backend.cpp (the in-tree backend) to objects, and links
 #         libgmlake_torch.so with -Wl,--no-undefined against the wheel's libc10 / libc10_cuda
 #         and the Rust staticlib (built once with the wheel's ABI, cached in build/);
@@ -93,7 +93,7 @@ for v in "${VERSIONS[@]}"; do
   if [ "$mm" -lt 200 ]; then
     srcs=(cpp/gmlake_impl.cpp cpp/compat/torch_1_13.cpp)
   else
-    srcs=(cpp/gmlake_impl.cpp cpp/gmlake_torch.cpp cpp/compat/c10_backend.cpp)
+    srcs=(cpp/gmlake_impl.cpp cpp/gmlake_torch.cpp cpp/compat/c10_backend.cpp cpp/tier.cpp)
   fi
   mkdir -p "$BUILD_DIR/$v"
   for s in "${srcs[@]}"; do
@@ -122,7 +122,7 @@ if [ "${NO_LINK:-0}" != 1 ]; then
     T="$ART/torch-headers/$v/torch"
     CUDART=$(ls "$ART/cuda-$series"/nvidia/cuda_runtime/lib/libcudart.so.* | head -1)
     out="$BUILD_DIR/$v/libgmlake_torch.so"
-    "$CXX" -shared -o "$out" "$BUILD_DIR/$v/gmlake_impl.o" "$BUILD_DIR/$v/gmlake_torch.o" "$FFI_LIB" \
+    "$CXX" -shared -o "$out" "$BUILD_DIR/$v/gmlake_impl.o" "$BUILD_DIR/$v/gmlake_torch.o" "$BUILD_DIR/$v/tier.o" "$FFI_LIB" \
       -L"$T/lib" -lc10_cuda -lc10 "$CUDART" -lpthread -ldl -lm -lrt -lutil -lgcc_s \
       -Wl,--no-undefined -Wl,--exclude-libs,ALL "-Wl,--version-script=$ROOT/cpp/gmlake_torch.map"
     if readelf -d "$out" | grep -q 'libcuda\.so'; then

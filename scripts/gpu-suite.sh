@@ -16,8 +16,8 @@
 #          carried staticlib (in the background; a check of the CMake route: its result is
 #          reported, the suite tests the carried library) unless GMLAKE_SKIP_DEVICE_BUILD=1;
 #       3. runs tests/gpu in order: install, memory, graphs, history, ipc, multi_gpu, faults, parity
-#          (each behaviour under native and gmlake, same outcome), training, sanitizer, debug
-#          (the memory debugging mode: guard faults, canary reports, poison, quarantine);
+#          (each behaviour under native and gmlake, same outcome), training, tier, sanitizer,
+#          debug (the memory debugging mode: guard faults, canary reports, poison, quarantine);
 #       4. prints a summary: tests passed/failed, and the training table (utilization and
 #          median step time under native, expandable segments and gmlake).
 #
@@ -112,7 +112,7 @@ echo "== tests/gpu"
 files=(tests/gpu/test_install.py tests/gpu/test_memory.py tests/gpu/test_graphs.py
        tests/gpu/test_history.py tests/gpu/test_ipc.py tests/gpu/test_multi_gpu.py
        tests/gpu/test_faults.py tests/gpu/test_parity.py tests/gpu/test_training.py
-       tests/gpu/test_sanitizer.py tests/gpu/test_debug.py)
+       tests/gpu/test_tier.py tests/gpu/test_sanitizer.py tests/gpu/test_debug.py)
 # GMLAKE_SUITE_FILES="tests/gpu/a.py tests/gpu/b.py" runs only those.
 if [ -n "${GMLAKE_SUITE_FILES:-}" ]; then read -r -a files <<<"$GMLAKE_SUITE_FILES"; fi
 "$PY" -m pytest -v -rA --tb=short -p no:cacheprovider --junitxml="$LOG/junit.xml" \

@@ -81,6 +81,47 @@ int main() {
   a->empty_cache();
   CHECK(a->stats().reserved_bytes[0].current == 0, "reserved after empty_cache");
 
+  {
+    // The host tier through the bridge (cpp/tier.cpp's calls): adopt, put over the budget
+    // (evicted), get back at a new place, free.
+    ffi::TierConf conf;
+    conf.has_budget = true;
+    conf.budget = 4 * MiB;
+    conf.policy = "lru";
+    rust::Box<ffi::GmlakeTier> t = a->new_tier(conf);
+    ffi::AllocOutcome p = a->allocate(3 * MiB, 0);
+    ffi::AllocOutcome q = a->allocate(3 * MiB, 0);
+    CHECK(p.status == 0 && q.status == 0, "tier allocations");
+    uint64_t ip = t->adopt(p.ptr, 3 * MiB, 0);
+    uint64_t iq = t->adopt(q.ptr, 3 * MiB, 0);
+    t->put(ip, 5);
+    t->poll();
+    CHECK(t->state(ip) == 3, "put over the budget: evicted (state %d)", t->state(ip));
+    t->put(iq, -1);
+    ffi::TierFetch f = t->get(ip, 0);
+    CHECK(!f.hit && f.ptr != 0, "get of an evicted tensor");
+    t->verify();
+    ffi::TierStatsRecord ts = t->stats();
+    CHECK(ts.adopts == 2 && ts.misses == 1 && ts.evictions >= 1, "tier stats");
+    CHECK(std::string(ts.policy) == "lru", "tier policy");
+    t->free(ip);
+    t->free(iq);
+    t->flush();
+    CHECK(t->stats().device_bytes == 0, "tier device bytes after frees");
+    try {
+      t->free(ip);
+      CHECK(false, "no exception for a tier tensor freed twice");
+    } catch (const rust::Error&) {
+    }
+    conf.policy = "fifo";
+    try {
+      t->reconfigure(conf);
+      CHECK(false, "no exception for an unknown tier policy");
+    } catch (const rust::Error& e) {
+      CHECK(std::string(e.what()).find("fifo") != std::string::npos, "%s", e.what());
+    }
+  }
+
   if (failures == 0) {
     std::printf("gmlake_bridge_test: ok (%zu blocks, %llu stitches)\n", ptrs.size(), (unsigned long long)s.stitches);
     return 0;

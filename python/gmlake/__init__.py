@@ -42,6 +42,7 @@ __all__ = [
     "device_count",
     "debug_report",
     "debug_check",
+    "tier",
 ]
 
 _BASE_VERSION = "0.1.0"
@@ -458,3 +459,7 @@ def settings() -> str:
 def build_info() -> Dict[str, Any]:
     """What the loaded library was built against: torch version, C++ ABI, CUDA runtime."""
     return json.loads(_load().gmlake_build_info().decode())
+
+
+# The host tier (gmlake.tier.put / get / free, offload_activations): imports no torch at load.
+from . import tier  # noqa: E402

@@ -39,13 +39,18 @@
 //!    before the kernels the client queues after `get`. Clients using a tensor on several
 //!    streams order them before `put` (as with any CUDA memory).
 //! 3. A device block being copied out is given back to the allocator only after the event
-//!    recorded after its copy completed (Evicting → Evicted happens in `reap`, never before).
+//!    recorded after its copy completed (Evicting → Evicted happens in `reap`, never before);
+//!    with [`TierConfig::eager_free`], stream-ordered as soon as the copy is queued (the copy's
+//!    stream recorded on the block), the tensor Evicted with the copy's event guarding its
+//!    host buffer.
 //! 4. A host buffer is freed only after every copy to or from it completed: after the copy-in
 //!    event (Fetching, or a resident tensor's pending copy-in), or after the copy-out event of
 //!    an eviction that a get rescued (a *zombie*).
 //! 5. With a budget, the device bytes the tier holds (Resident, Put, Fetching and Evicting
 //!    tensors, and zombies that still hold a block) never exceed it: an allocation that would
-//!    exceed it first waits for evictions to complete.
+//!    exceed it first waits for evictions to complete. Once memory was adopted
+//!    ([`Tier::adopt`]): the device bytes minus evictions in flight stay within it, unless no
+//!    put tensor is left to evict.
 //! 6. Statistics equal a recount: device and host bytes held, gets = hits + misses.
 
 use crate::allocator::Allocator;
@@ -105,6 +110,12 @@ pub struct TierConfig {
     /// (`cuMemHostAlloc` is slow: a job evicting the same sizes every step allocates once).
     /// A buffer is reused for a tensor of exactly its size. Default 0: none kept.
     pub host_cache: u64,
+    /// Give an evicted tensor's block back to the allocator as soon as its copy out is queued
+    /// (stream-ordered, as any free: reused on its stream by work queued after the copy, on
+    /// other streams after the copy's stream is recorded on it) instead of once the copy has
+    /// completed. The host buffer stays guarded by the copy's event; an eviction can then not be
+    /// rescued (a get copies back). Default false; the PyTorch bridge sets it.
+    pub eager_free: bool,
 }
 
 impl Default for TierConfig {
@@ -116,6 +127,7 @@ impl Default for TierConfig {
             tick_seconds: 1e-3,
             prefetch_margin: 1,
             host_cache: 0,
+            eager_free: false,
         }
     }
 }
@@ -280,6 +292,8 @@ pub struct TierStats {
     /// Pinned host bytes kept for reuse (`TierConfig::host_cache`), and buffers allocated.
     pub host_cached_bytes: u64,
     pub host_allocs: u64,
+    /// Tensors adopted: memory the client allocated and handed over ([`Tier::adopt`]).
+    pub adopts: u64,
 }
 
 /// A copy back still in flight into a resident or put tensor's block.
@@ -309,6 +323,8 @@ enum State {
     },
     Evicted {
         host: HostPtr,
+        /// With `eager_free`: the event after the copy out still writing `host`, and its stream.
+        out: Option<(EventHandle, StreamId)>,
     },
     Fetching {
         ptr: DevicePtr,
@@ -340,7 +356,7 @@ impl State {
         match *self {
             State::Resident { copy_in, .. } | State::Put { copy_in, .. } => copy_in.map(|c| c.host),
             State::Evicting { host, .. }
-            | State::Evicted { host }
+            | State::Evicted { host, .. }
             | State::Fetching { host, .. } => Some(host),
         }
     }
@@ -350,7 +366,7 @@ impl State {
                 copy_in.map(|c| c.event)
             }
             State::Evicting { event, .. } | State::Fetching { event, .. } => Some(event),
-            State::Evicted { .. } => None,
+            State::Evicted { out, .. } => out.map(|(e, _)| e),
         }
     }
 }
@@ -526,6 +542,101 @@ impl<D: Device> Tier<D> {
         e.next_use = next_use;
         e.last_touch = touch;
         g.stats.puts += 1;
+        if g.stats.adopts > 0 {
+            self.shed(&mut g)?;
+        }
+        Ok(())
+    }
+
+    /// Takes over a live allocation of the allocator made by the client (e.g. a PyTorch
+    /// tensor's storage): the block at `ptr` (the start of an allocation) holding `size` bytes
+    /// last used on `stream` becomes a resident tier tensor; the tier frees it from now on.
+    ///
+    /// Its memory exists already, so the budget cannot refuse it: when adopted memory takes
+    /// the tier over its budget, `adopt` and `put` start evicting put tensors (never waiting),
+    /// and invariant 5 becomes: device bytes minus the bytes of evictions in flight stay
+    /// within the budget, unless no put tensor is left to evict ([`Tier::verify`]).
+    pub fn adopt(&self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<TensorId> {
+        if size == 0 {
+            return Err(Error::InvalidState(
+                "a tier tensor has at least one byte".into(),
+            ));
+        }
+        let bytes = size.div_ceil(UNIT) * UNIT;
+        match self.alloc.allocation(ptr) {
+            Some(a) if a.ptr == ptr && a.size >= bytes => {}
+            Some(a) => {
+                return Err(Error::InvalidState(format!(
+                    "adopt of {ptr:#x} ({size} bytes): it lies in the allocation {:#x} of {} \
+                     bytes, not at its start with room for {bytes}",
+                    a.ptr, a.size
+                )))
+            }
+            None => return Err(Error::UnknownPointer(ptr)),
+        }
+        let mut g = self.inner.lock();
+        self.reap(&mut g)?;
+        if g.entries
+            .values()
+            .any(|e| e.state.device_ptr() == Some(ptr))
+            || g.zombies.iter().any(|z| z.ptr == Some(ptr))
+        {
+            return Err(Error::InvalidState(format!(
+                "adopt of {ptr:#x}: the tier holds it already"
+            )));
+        }
+        let id = TensorId(g.next_id);
+        g.next_id += 1;
+        g.touch += 1;
+        let touch = g.touch;
+        g.entries.insert(
+            id,
+            Entry {
+                size,
+                bytes,
+                stream,
+                state: State::Resident { ptr, copy_in: None },
+                next_use: None,
+                last_touch: touch,
+            },
+        );
+        g.stats.adopts += 1;
+        g.add_device(bytes as i64);
+        self.shed(&mut g)?;
+        Ok(id)
+    }
+
+    /// Frees device memory for an allocation of `bytes` the allocator refused (the client's
+    /// own, outside the tier): evicts put tensors (the policy chooses) and waits for the device
+    /// so that their blocks, and those of evictions already in flight, go back. Returns the
+    /// device bytes the tier gave back.
+    pub fn relieve(&self, bytes: u64) -> Result<u64> {
+        let mut g = self.inner.lock();
+        self.reap(&mut g)?;
+        let before = g.stats.device_bytes;
+        let in_flight = g.evicting_bytes();
+        let need = bytes.saturating_sub(in_flight);
+        let evicted = if need > 0 {
+            self.evict_for(&mut g, need)?
+        } else {
+            0
+        };
+        if evicted > 0 || in_flight > 0 {
+            self.wait(&mut g)?;
+        }
+        Ok(before.saturating_sub(g.stats.device_bytes))
+    }
+
+    /// Replaces the settings and the policy (tensors held stay; a lower budget is reached by
+    /// the evictions of later calls).
+    pub fn reconfigure(&self, cfg: TierConfig, policy: Box<dyn EvictionPolicy>) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.reap(&mut g)?;
+        g.cfg = cfg;
+        g.policy = policy;
+        if g.stats.adopts > 0 {
+            self.shed(&mut g)?;
+        }
         Ok(())
     }
 
@@ -582,7 +693,15 @@ impl<D: Device> Tier<D> {
                 rescued = Some((event, old_stream));
                 (ptr, None, true)
             }
-            State::Evicted { host } => {
+            State::Evicted { host, out } => {
+                if let Some((_, s)) = out {
+                    if s != stream {
+                        // The copy out on another stream must complete before the copy back
+                        // reads the buffer (no cross-stream waits on the device trait).
+                        self.wait(&mut g)?;
+                    }
+                    // On the same stream the copy back is queued after it: ordered.
+                }
                 let ptr = self
                     .device_memory(&mut g, bytes, stream, Pressure::Wait)?
                     .expect("waiting requests get memory or an error");
@@ -594,6 +713,14 @@ impl<D: Device> Tier<D> {
                     }
                 };
                 g.add_device(bytes as i64);
+                // A copy out still in flight (same stream, ordered before the copy back): its
+                // event goes back to the pool; the copy back's event now guards the buffer.
+                if let State::Evicted {
+                    out: Some((ev, _)), ..
+                } = g.entries[&id].state
+                {
+                    g.events.push(ev);
+                }
                 let e = g.entries.get_mut(&id).expect("looked up above");
                 e.stream = stream;
                 e.state = State::Resident {
@@ -625,6 +752,11 @@ impl<D: Device> Tier<D> {
         e.last_touch = touch;
         g.stats.gets += 1;
         g.stats.hits += 1;
+        if rescued.is_some() && g.stats.adopts > 0 {
+            // The rescued tensor is no longer on its way out: adopted memory over the budget
+            // sheds others instead (see `adopt`).
+            self.shed(&mut g)?;
+        }
         Ok(Fetched {
             ptr,
             stream,
@@ -662,7 +794,16 @@ impl<D: Device> Tier<D> {
                     event,
                 });
             }
-            State::Evicted { host } => self.give_host(&mut g, host, e.bytes)?,
+            State::Evicted { host, out: None } => self.give_host(&mut g, host, e.bytes)?,
+            State::Evicted {
+                host,
+                out: Some((event, _)),
+            } => g.zombies.push(Zombie {
+                ptr: None,
+                host: Some(host),
+                bytes: e.bytes,
+                event,
+            }),
         }
         self.reap(&mut g)
     }
@@ -693,7 +834,7 @@ impl<D: Device> Tier<D> {
         for (_, id) in due {
             let e = &g.entries[&id];
             let (bytes, stream) = (e.bytes, e.stream);
-            let State::Evicted { host } = e.state else {
+            let State::Evicted { host, out } = e.state else {
                 continue;
             };
             let Some(ptr) = self.device_memory(&mut g, bytes, stream, Pressure::NoWait)? else {
@@ -708,6 +849,15 @@ impl<D: Device> Tier<D> {
             };
             g.add_device(bytes as i64);
             g.stats.prefetches += 1;
+            // A copy out still in flight was queued on the same stream (the tensor's): the copy
+            // back is ordered after it, and its event goes back to the pool.
+            if let State::Evicted {
+                out: Some((ev, _)), ..
+            } = g.entries[&id].state
+            {
+                g.events.push(ev);
+            }
+            let _ = out;
             g.entries.get_mut(&id).expect("due").state = State::Fetching { ptr, host, event };
         }
         Ok(())
@@ -828,8 +978,20 @@ impl<D: Device> Tier<D> {
             ));
         }
         if let Some(b) = g.cfg.device_budget {
-            if device > b {
-                return Err(format!("device bytes {device} over the budget {b}"));
+            if g.stats.adopts == 0 {
+                if device > b {
+                    return Err(format!("device bytes {device} over the budget {b}"));
+                }
+            } else if device.saturating_sub(g.evicting_bytes()) > b
+                && g.entries
+                    .values()
+                    .any(|e| matches!(e.state, State::Put { copy_in: None, .. }))
+            {
+                return Err(format!(
+                    "device bytes {device} ({} on their way out) over the budget {b} with put \
+                     tensors left to evict",
+                    g.evicting_bytes()
+                ));
             }
         }
         let s = &g.stats;
@@ -917,6 +1079,28 @@ impl<D: Device> Tier<D> {
         g.add_host(bytes as i64);
         g.stats.evictions += 1;
         g.stats.bytes_to_host += bytes;
+        if g.cfg.eager_free {
+            // Stream-ordered: the allocator reuses the block on its stream after the copy, and
+            // on other streams only after the copy's stream (recorded here) has passed it.
+            let freed = self
+                .alloc
+                .record_stream(ptr, stream)
+                .and_then(|()| self.alloc.free(ptr));
+            match freed {
+                Ok(()) => {
+                    g.add_device(-(bytes as i64));
+                    g.entries.get_mut(&id).expect("looked up").state = State::Evicted {
+                        host,
+                        out: Some((event, stream)),
+                    };
+                    return Ok(());
+                }
+                Err(err) => {
+                    // Kept as an eviction in flight (the block goes back once the copy is done).
+                    tracing::debug!(%err, "gmlake tier: eager free refused");
+                }
+            }
+        }
         g.entries.get_mut(&id).expect("looked up").state = State::Evicting { ptr, host, event };
         Ok(())
     }
@@ -940,8 +1124,11 @@ impl<D: Device> Tier<D> {
             }
             let bytes = e.bytes as i64;
             match e.state {
+                State::Evicted { host, out: Some(_) } => {
+                    e.state = State::Evicted { host, out: None };
+                }
                 State::Evicting { ptr, host, .. } => {
-                    e.state = State::Evicted { host };
+                    e.state = State::Evicted { host, out: None };
                     self.alloc.free(ptr)?;
                     g.add_device(-bytes);
                 }
@@ -982,6 +1169,11 @@ impl<D: Device> Tier<D> {
                 self.give_host(g, h, z.bytes)?;
             }
             g.events.push(z.event);
+        }
+        // A copy back that completed makes its tensor evictable: adopted memory over the
+        // budget sheds it now (see `adopt`).
+        if g.stats.adopts > 0 {
+            self.shed(g)?;
         }
         Ok(())
     }
@@ -1071,6 +1263,23 @@ impl<D: Device> Tier<D> {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Starts evicting put tensors until the device bytes not already on their way out fit
+    /// the budget; never waits (adopted memory may exceed the budget: see [`Tier::adopt`]).
+    fn shed(&self, g: &mut Inner) -> Result<()> {
+        let Some(b) = g.cfg.device_budget else {
+            return Ok(());
+        };
+        let over = g
+            .stats
+            .device_bytes
+            .saturating_sub(g.evicting_bytes())
+            .saturating_sub(b);
+        if over > 0 {
+            self.evict_for(g, over)?;
+        }
+        Ok(())
     }
 
     fn wait(&self, g: &mut Inner) -> Result<()> {

@@ -7,6 +7,8 @@ use gmlake_core::{
     AllocationInfo, Allocator, CacheInfo, Config, Device, DeviceError, DevicePtr, DeviceResult,
     DeviceStats, Error, GraphPoolId, PhysHandle, Result, SimDevice, Snapshot, StreamId, TraceEvent,
 };
+use gmlake_core::{EvictionPolicy, Tier, TierConfig};
+use std::sync::Arc;
 
 /// What a device offers beyond [`Device`]: access for peer GPUs, and pages exported to and
 /// imported from other processes.
@@ -102,9 +104,15 @@ pub trait Core: Send + Sync {
     fn open_ipc(&self, handle: &[u8]) -> Result<DevicePtr>;
     /// Unmaps a range made by `open_ipc`.
     fn close_ipc(&self, ptr: DevicePtr) -> Result<()>;
+    /// A host tier over this allocator (issue 16; `crate::tier`).
+    fn new_tier(
+        &self,
+        cfg: TierConfig,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> Box<dyn crate::tier::TierCore>;
 }
 
-impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
+impl<D: Device + PeerAccess + 'static> Core for Arc<Allocator<CaptureAware<D>>> {
     fn allocate(&self, size: u64, stream: StreamId) -> Result<DevicePtr> {
         Allocator::allocate(self, size, stream)
     }
@@ -256,6 +264,13 @@ impl<D: Device + PeerAccess + 'static> Core for Allocator<CaptureAware<D>> {
     fn close_ipc(&self, ptr: DevicePtr) -> Result<()> {
         self.close_imported(ptr)
     }
+    fn new_tier(
+        &self,
+        cfg: TierConfig,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> Box<dyn crate::tier::TierCore> {
+        Box::new(Tier::new(Arc::clone(self), cfg, policy))
+    }
 }
 
 /// Builds an allocator over `device` with `config`.
@@ -264,5 +279,5 @@ pub fn make_core<D: Device + PeerAccess + 'static>(
     config: Config,
 ) -> Result<Box<dyn Core>> {
     let a = Allocator::new(CaptureAware::new(device), config)?;
-    Ok(Box::new(a))
+    Ok(Box::new(Arc::new(a)))
 }

@@ -16,6 +16,7 @@
 mod backend;
 pub mod capture;
 mod json;
+pub mod tier;
 
 use backend::{make_core, Core};
 use gmlake_core::{
@@ -23,6 +24,7 @@ use gmlake_core::{
     StatArray, TraceAction,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
+pub use tier::GmlakeTier;
 
 pub use backend::PeerAccess;
 
@@ -191,6 +193,91 @@ pub mod ffi {
     struct MemInfo {
         free: u64,
         total: u64,
+    }
+
+    /// Host tier settings (`tier.rs`). Zeros mean defaults; `policy`: "aware" (default) or
+    /// "lru".
+    #[derive(Clone, Debug, Default)]
+    struct TierConf {
+        has_budget: bool,
+        budget: u64,
+        policy: String,
+        bandwidth: f64,
+        copy_latency: f64,
+        tick_seconds: f64,
+        prefetch_margin: u64,
+        host_cache: u64,
+    }
+
+    /// A tier tensor on the device: its id, pointer, and whether `get` found it there.
+    #[derive(Clone, Copy, Debug, Default)]
+    struct TierFetch {
+        id: u64,
+        ptr: u64,
+        hit: bool,
+    }
+
+    /// `gmlake_core::TierStats` plus the settings in force.
+    #[derive(Clone, Debug, Default)]
+    struct TierStatsRecord {
+        creates: u64,
+        adopts: u64,
+        gets: u64,
+        hits: u64,
+        misses: u64,
+        puts: u64,
+        frees: u64,
+        evictions: u64,
+        rescues: u64,
+        prefetches: u64,
+        bytes_to_host: u64,
+        bytes_to_device: u64,
+        waits: u64,
+        device_bytes: u64,
+        peak_device_bytes: u64,
+        host_bytes: u64,
+        peak_host_bytes: u64,
+        host_cached_bytes: u64,
+        host_allocs: u64,
+        tensors: u64,
+        budget: u64,
+        has_budget: bool,
+        bandwidth: f64,
+        policy: String,
+    }
+
+    extern "Rust" {
+        /// One device's host tier (issue 16), over the allocator that made it (`tier.rs`).
+        type GmlakeTier;
+
+        /// A host tier over this allocator (its tensors' device memory comes from it).
+        fn new_tier(self: &Gmlake, conf: &TierConf) -> Result<Box<GmlakeTier>>;
+        /// Device memory for a new resident tensor of `size` bytes used on `stream`.
+        fn create(self: &GmlakeTier, size: u64, stream: u64) -> Result<TierFetch>;
+        /// Takes over the live allocation starting at `ptr` (`size` bytes in use, last used on
+        /// `stream`) as a resident tensor; returns its id. The tier frees it from now on.
+        fn adopt(self: &GmlakeTier, ptr: u64, size: u64, stream: u64) -> Result<u64>;
+        /// Not needed now; `next_use` (< 0: none) in the clock of `advance`.
+        fn put(self: &GmlakeTier, id: u64, next_use: i64) -> Result<()>;
+        /// Starts evicting a put tensor now.
+        fn offload(self: &GmlakeTier, id: u64) -> Result<()>;
+        /// Evicts put tensors to make room for an allocation of `bytes` the allocator refused,
+        /// waiting for the device; returns the device bytes given back.
+        fn relieve(self: &GmlakeTier, bytes: u64) -> Result<u64>;
+        /// The tensor on the device, ready for work queued on `stream` after this call.
+        fn get(self: &GmlakeTier, id: u64, stream: u64) -> Result<TierFetch>;
+        fn free(self: &GmlakeTier, id: u64) -> Result<()>;
+        fn advance(self: &GmlakeTier, now: u64) -> Result<()>;
+        fn poll(self: &GmlakeTier) -> Result<()>;
+        fn flush(self: &GmlakeTier) -> Result<()>;
+        fn trim_host_cache(self: &GmlakeTier) -> Result<()>;
+        fn reconfigure(self: &GmlakeTier, conf: &TierConf) -> Result<()>;
+        fn stats(self: &GmlakeTier) -> TierStatsRecord;
+        fn stats_json(self: &GmlakeTier) -> String;
+        /// -1: unknown; 0 resident, 1 put, 2 evicting, 3 evicted, 4 fetching.
+        fn state(self: &GmlakeTier, id: u64) -> i32;
+        fn size(self: &GmlakeTier, id: u64) -> u64;
+        fn verify(self: &GmlakeTier) -> Result<()>;
     }
 
     extern "Rust" {
@@ -957,3 +1044,5 @@ fn ipc_handle_kind(handle: &[u8]) -> Result<u8, String> {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tier_tests;

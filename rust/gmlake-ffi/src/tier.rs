@@ -1,0 +1,358 @@
+//! The host tier (issue 16) through the bridge: one [`gmlake_core::Tier`] over a device's
+//! allocator, its device type erased ([`TierCore`]), handed to C++ as `GmlakeTier` with plain
+//! integer arguments (tensor ids, pointers and streams as `u64`).
+//!
+//! Streams: every call names the stream the client works on. A tensor brought back by `get`
+//! is ready for work queued on that stream after the call. When the copy that brought it back
+//! (a prefetch, or an eviction rescued while its copy out was in flight) was queued on
+//! another stream, `get` waits for the device first (the bridge passes no events to C++), so
+//! what it returns is always safe on the stream asked for.
+
+use crate::ffi::{TierConf, TierFetch, TierStatsRecord};
+use crate::{core_err, guard, Gmlake};
+use gmlake_core::{
+    DevicePtr, EvictionPolicy, Fetched, Lru, Result, SizeLatencyAware, StreamId, TensorId,
+    TensorState, Tier, TierConfig, TierStats,
+};
+
+/// The operations of [`Tier`], object-safe.
+pub trait TierCore: Send + Sync {
+    fn create(&self, size: u64, stream: StreamId) -> Result<(TensorId, DevicePtr)>;
+    fn adopt(&self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<TensorId>;
+    fn put(&self, id: TensorId, next_use: Option<u64>) -> Result<()>;
+    fn offload(&self, id: TensorId) -> Result<()>;
+    fn relieve(&self, bytes: u64) -> Result<u64>;
+    fn get(&self, id: TensorId, stream: StreamId) -> Result<Fetched>;
+    fn free(&self, id: TensorId) -> Result<()>;
+    fn advance(&self, now: u64) -> Result<()>;
+    fn poll(&self) -> Result<()>;
+    fn flush(&self) -> Result<()>;
+    fn trim_host_cache(&self) -> Result<()>;
+    fn reconfigure(&self, cfg: TierConfig, policy: Box<dyn EvictionPolicy>) -> Result<()>;
+    fn stats(&self) -> TierStats;
+    fn config(&self) -> TierConfig;
+    fn policy_name(&self) -> &'static str;
+    fn state(&self, id: TensorId) -> Option<TensorState>;
+    fn size(&self, id: TensorId) -> Option<u64>;
+    fn tensors(&self) -> usize;
+    fn now(&self) -> u64;
+    fn verify(&self) -> std::result::Result<(), String>;
+}
+
+impl<D: gmlake_core::Device + 'static> TierCore for Tier<D> {
+    fn create(&self, size: u64, stream: StreamId) -> Result<(TensorId, DevicePtr)> {
+        Tier::create(self, size, stream)
+    }
+    fn adopt(&self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<TensorId> {
+        Tier::adopt(self, ptr, size, stream)
+    }
+    fn put(&self, id: TensorId, next_use: Option<u64>) -> Result<()> {
+        Tier::put(self, id, next_use)
+    }
+    fn offload(&self, id: TensorId) -> Result<()> {
+        Tier::offload(self, id)
+    }
+    fn relieve(&self, bytes: u64) -> Result<u64> {
+        Tier::relieve(self, bytes)
+    }
+    fn get(&self, id: TensorId, stream: StreamId) -> Result<Fetched> {
+        Tier::get(self, id, stream)
+    }
+    fn free(&self, id: TensorId) -> Result<()> {
+        Tier::free(self, id)
+    }
+    fn advance(&self, now: u64) -> Result<()> {
+        Tier::advance(self, now)
+    }
+    fn poll(&self) -> Result<()> {
+        Tier::poll(self)
+    }
+    fn flush(&self) -> Result<()> {
+        Tier::flush(self)
+    }
+    fn trim_host_cache(&self) -> Result<()> {
+        Tier::trim_host_cache(self)
+    }
+    fn reconfigure(&self, cfg: TierConfig, policy: Box<dyn EvictionPolicy>) -> Result<()> {
+        Tier::reconfigure(self, cfg, policy)
+    }
+    fn stats(&self) -> TierStats {
+        Tier::stats(self)
+    }
+    fn config(&self) -> TierConfig {
+        Tier::config(self)
+    }
+    fn policy_name(&self) -> &'static str {
+        Tier::policy_name(self)
+    }
+    fn state(&self, id: TensorId) -> Option<TensorState> {
+        Tier::state(self, id)
+    }
+    fn size(&self, id: TensorId) -> Option<u64> {
+        Tier::size(self, id)
+    }
+    fn tensors(&self) -> usize {
+        Tier::len(self)
+    }
+    fn now(&self) -> u64 {
+        Tier::now(self)
+    }
+    fn verify(&self) -> std::result::Result<(), String> {
+        Tier::verify(self)
+    }
+}
+
+/// One device's tier, as C++ holds it.
+pub struct GmlakeTier {
+    core: Box<dyn TierCore>,
+}
+
+/// Settings and policy from the bridge's [`TierConf`] (zeros: defaults), with
+/// [`TierConfig::eager_free`] on.
+pub fn settings(
+    c: &TierConf,
+) -> std::result::Result<(TierConfig, Box<dyn EvictionPolicy>), String> {
+    let d = TierConfig::default();
+    let policy: Box<dyn EvictionPolicy> = match c.policy.as_str() {
+        "" | "aware" => Box::new(SizeLatencyAware::default()),
+        "lru" => Box::new(Lru),
+        other => {
+            return Err(format!(
+                "gmlake tier: unknown policy {other:?} (expected \"aware\" or \"lru\")"
+            ))
+        }
+    };
+    for (name, v) in [
+        ("bandwidth", c.bandwidth),
+        ("copy_latency", c.copy_latency),
+        ("tick_seconds", c.tick_seconds),
+    ] {
+        if !v.is_finite() || v < 0.0 {
+            return Err(format!(
+                "gmlake tier: {name} must be a finite number >= 0, not {v}"
+            ));
+        }
+    }
+    let or = |v: f64, dflt: f64| if v > 0.0 { v } else { dflt };
+    Ok((
+        TierConfig {
+            device_budget: c.has_budget.then_some(c.budget),
+            bandwidth: or(c.bandwidth, d.bandwidth),
+            copy_latency: or(c.copy_latency, d.copy_latency),
+            tick_seconds: or(c.tick_seconds, d.tick_seconds),
+            prefetch_margin: c.prefetch_margin,
+            host_cache: c.host_cache,
+            // PyTorch's allocator semantics (stream-ordered frees): a job allocating while
+            // copies run reuses evicted blocks at once, without waiting for the copies.
+            eager_free: true,
+        },
+        policy,
+    ))
+}
+
+fn state_code(s: Option<TensorState>) -> i32 {
+    match s {
+        None => -1,
+        Some(TensorState::Resident) => 0,
+        Some(TensorState::Put) => 1,
+        Some(TensorState::Evicting) => 2,
+        Some(TensorState::Evicted) => 3,
+        Some(TensorState::Fetching) => 4,
+    }
+}
+
+fn stats_record(s: &TierStats, policy: &str, cfg: &TierConfig, tensors: usize) -> TierStatsRecord {
+    TierStatsRecord {
+        creates: s.creates,
+        adopts: s.adopts,
+        gets: s.gets,
+        hits: s.hits,
+        misses: s.misses,
+        puts: s.puts,
+        frees: s.frees,
+        evictions: s.evictions,
+        rescues: s.rescues,
+        prefetches: s.prefetches,
+        bytes_to_host: s.bytes_to_host,
+        bytes_to_device: s.bytes_to_device,
+        waits: s.waits,
+        device_bytes: s.device_bytes,
+        peak_device_bytes: s.peak_device_bytes,
+        host_bytes: s.host_bytes,
+        peak_host_bytes: s.peak_host_bytes,
+        host_cached_bytes: s.host_cached_bytes,
+        host_allocs: s.host_allocs,
+        tensors: tensors as u64,
+        budget: cfg.device_budget.unwrap_or(0),
+        has_budget: cfg.device_budget.is_some(),
+        bandwidth: cfg.bandwidth,
+        policy: policy.to_string(),
+    }
+}
+
+impl Gmlake {
+    pub(crate) fn new_tier(&self, conf: &TierConf) -> std::result::Result<Box<GmlakeTier>, String> {
+        guard("new_tier", || {
+            let (cfg, policy) = settings(conf)?;
+            Ok(Box::new(GmlakeTier {
+                core: self.core.new_tier(cfg, policy),
+            }))
+        })
+    }
+}
+
+impl GmlakeTier {
+    pub(crate) fn create(&self, size: u64, stream: u64) -> std::result::Result<TierFetch, String> {
+        guard("tier create", || {
+            let (id, ptr) = self.core.create(size, stream).map_err(core_err)?;
+            Ok(TierFetch {
+                id: id.0,
+                ptr,
+                hit: true,
+            })
+        })
+    }
+
+    pub(crate) fn adopt(
+        &self,
+        ptr: u64,
+        size: u64,
+        stream: u64,
+    ) -> std::result::Result<u64, String> {
+        guard("tier adopt", || {
+            self.core
+                .adopt(ptr, size, stream)
+                .map(|id| id.0)
+                .map_err(core_err)
+        })
+    }
+
+    pub(crate) fn put(&self, id: u64, next_use: i64) -> std::result::Result<(), String> {
+        guard("tier put", || {
+            let nu = (next_use >= 0).then_some(next_use as u64);
+            self.core.put(TensorId(id), nu).map_err(core_err)
+        })
+    }
+
+    pub(crate) fn offload(&self, id: u64) -> std::result::Result<(), String> {
+        guard("tier offload", || {
+            self.core.offload(TensorId(id)).map_err(core_err)
+        })
+    }
+
+    pub(crate) fn relieve(&self, bytes: u64) -> std::result::Result<u64, String> {
+        guard("tier relieve", || {
+            self.core.relieve(bytes).map_err(core_err)
+        })
+    }
+
+    pub(crate) fn get(&self, id: u64, stream: u64) -> std::result::Result<TierFetch, String> {
+        guard("tier get", || {
+            let f = self.core.get(TensorId(id), stream).map_err(core_err)?;
+            if let Some((_, s)) = f.event {
+                if s != stream {
+                    // A copy on another stream: wait for it (no events cross the bridge).
+                    self.core.flush().map_err(core_err)?;
+                }
+            }
+            Ok(TierFetch {
+                id,
+                ptr: f.ptr,
+                hit: f.hit,
+            })
+        })
+    }
+
+    pub(crate) fn free(&self, id: u64) -> std::result::Result<(), String> {
+        guard("tier free", || {
+            self.core.free(TensorId(id)).map_err(core_err)
+        })
+    }
+
+    pub(crate) fn advance(&self, now: u64) -> std::result::Result<(), String> {
+        guard("tier advance", || self.core.advance(now).map_err(core_err))
+    }
+
+    pub(crate) fn poll(&self) -> std::result::Result<(), String> {
+        guard("tier poll", || self.core.poll().map_err(core_err))
+    }
+
+    pub(crate) fn flush(&self) -> std::result::Result<(), String> {
+        guard("tier flush", || self.core.flush().map_err(core_err))
+    }
+
+    pub(crate) fn trim_host_cache(&self) -> std::result::Result<(), String> {
+        guard("tier trim_host_cache", || {
+            self.core.trim_host_cache().map_err(core_err)
+        })
+    }
+
+    pub(crate) fn reconfigure(&self, conf: &TierConf) -> std::result::Result<(), String> {
+        guard("tier reconfigure", || {
+            let (cfg, policy) = settings(conf)?;
+            self.core.reconfigure(cfg, policy).map_err(core_err)
+        })
+    }
+
+    pub(crate) fn stats(&self) -> TierStatsRecord {
+        let s = self.core.stats();
+        stats_record(
+            &s,
+            self.core.policy_name(),
+            &self.core.config(),
+            self.core.tensors(),
+        )
+    }
+
+    pub(crate) fn stats_json(&self) -> String {
+        let r = self.stats();
+        let nums: [(&str, u64); 23] = [
+            ("creates", r.creates),
+            ("adopts", r.adopts),
+            ("gets", r.gets),
+            ("hits", r.hits),
+            ("misses", r.misses),
+            ("puts", r.puts),
+            ("frees", r.frees),
+            ("evictions", r.evictions),
+            ("rescues", r.rescues),
+            ("prefetches", r.prefetches),
+            ("bytes_to_host", r.bytes_to_host),
+            ("bytes_to_device", r.bytes_to_device),
+            ("waits", r.waits),
+            ("device_bytes", r.device_bytes),
+            ("peak_device_bytes", r.peak_device_bytes),
+            ("host_bytes", r.host_bytes),
+            ("peak_host_bytes", r.peak_host_bytes),
+            ("host_cached_bytes", r.host_cached_bytes),
+            ("host_allocs", r.host_allocs),
+            ("tensors", r.tensors),
+            ("now", self.core.now()),
+            ("budget", r.budget),
+            ("has_budget", r.has_budget as u64),
+        ];
+        let mut out = String::from("{");
+        for (k, v) in nums {
+            out.push_str(&format!("\"{k}\":{v},"));
+        }
+        out.push_str(&format!(
+            "\"bandwidth\":{},\"policy\":\"{}\"}}",
+            r.bandwidth, r.policy
+        ));
+        out
+    }
+
+    /// -1: unknown; 0 resident, 1 put, 2 evicting, 3 evicted, 4 fetching.
+    pub(crate) fn state(&self, id: u64) -> i32 {
+        state_code(self.core.state(TensorId(id)))
+    }
+
+    /// The bytes the tensor was created or adopted with (0: unknown).
+    pub(crate) fn size(&self, id: u64) -> u64 {
+        self.core.size(TensorId(id)).unwrap_or(0)
+    }
+
+    pub(crate) fn verify(&self) -> std::result::Result<(), String> {
+        guard("tier verify", || self.core.verify())
+    }
+}
