@@ -10,7 +10,7 @@
 //! after getting and checking every tensor and freeing them all, that no pinned buffer and no
 //! device byte is left.
 //!
-//! `GMLAKE_PROPTEST_CASES` sets the number of sequences (default 300).
+//! `GMLAKE_TIER_PROPTEST_CASES` sets the number of sequences (default 300).
 
 use gmlake_core::{
     Allocator, Config, Error, EvictionPolicy, Lru, SimDevice, SizeLatencyAware, TensorId, Tier,
