@@ -9,7 +9,9 @@
 //   allocation and the storage's DataPtr gets the tier's deleter: the memory stays valid for
 //   every tensor on the storage; when the storage dies, the tensor becomes *put* (evictable to
 //   pinned host memory) instead of freed. Returns a handle (> 0). A second put of a storage
-//   the tier holds already gives another handle on the same tier tensor.
+//   the tier holds already gives another handle on the same tier tensor. Each handle keeps
+//   its own next_use; the tensor's is the earliest among its handles (so re-putting a tensor
+//   got from the tier with a later next_use, then freeing the old handle, re-declares it).
 // - get(handle, stream): the tier makes the tensor resident again (copied back on `stream`,
 //   possibly at a new address) and returns the pointer; Python wraps it in a storage of its
 //   own (torch._C._construct_storage_from_data_pointer) and bind() gives that storage the
@@ -51,12 +53,13 @@ struct Entry {
   uint64_t nbytes = 0;
   int live = 0; // storages alive (the adopted one, and those bound by get), gets not yet bound
   int handles = 0;
-  int64_t next_use = -1;
+  int64_t next_use = -1; // the earliest next_use of its handles (-1: none declared)
   bool is_put = false; // put in the tier (no storage alive since)
 };
 
 struct Handle {
-  uint64_t key; // into g_entries
+  uint64_t key;     // into g_entries
+  int64_t next_use; // as declared by the put that made it (-1: none)
 };
 
 // The deleter's context: which entry a storage holds.
@@ -284,7 +287,7 @@ GMLAKE_EXPORT int64_t gmlake_tier_put(void* storage_impl, uint64_t stream, int64
           "CUDA allocator of this process, enabled before the tensor was made?)");
     }
     const int64_t h = g_next_handle++;
-    g_handles[h] = Handle{key};
+    g_handles[h] = Handle{key, next_use};
     return h;
   } catch (const std::exception& e) {
     return fail(std::string("gmlake.tier.put: ") + e.what());
@@ -371,8 +374,26 @@ GMLAKE_EXPORT int gmlake_tier_free(int64_t handle) {
       return fail("gmlake.tier.free: unknown handle " + std::to_string(handle) + " (freed twice?)");
     }
     const uint64_t key = h->second.key;
+    const int64_t gone_use = h->second.next_use;
     g_handles.erase(h);
-    g_entries.at(key).handles -= 1;
+    Entry& e = g_entries.at(key);
+    e.handles -= 1;
+    if (e.handles > 0 && gone_use >= 0 && gone_use == e.next_use) {
+      // The earliest next_use may have gone with the handle: the earliest of the rest.
+      int64_t earliest = -1;
+      for (const auto& kv : g_handles) {
+        const int64_t u = kv.second.next_use;
+        if (kv.second.key == key && u >= 0 && (earliest < 0 || u < earliest)) {
+          earliest = u;
+        }
+      }
+      if (earliest != e.next_use) {
+        e.next_use = earliest;
+        if (e.is_put) {
+          g_tiers[e.device]->set_next_use(e.id, e.next_use);
+        }
+      }
+    }
     settle(key);
     return 0;
   } catch (const std::exception& e) {

@@ -28,6 +28,7 @@ using dev_fn = int (*)(int);
 using flush_fn = int (*)(int, int);
 using str_fn = const char* (*)();
 using json_fn = long long (*)(int, char*, size_t);
+using advance_fn = int (*)(int, uint64_t);
 
 template <typename F>
 F sym(void* lib, const char* name) {
@@ -74,6 +75,7 @@ int main(int argc, char** argv) {
   auto flush = sym<flush_fn>(lib, "gmlake_tier_flush");
   auto last_error = sym<str_fn>(lib, "gmlake_tier_last_error");
   auto stats = sym<json_fn>(lib, "gmlake_tier_stats_json");
+  auto advance = sym<advance_fn>(lib, "gmlake_tier_advance");
   auto stats_str = [&]() {
     char buf[4096];
     stats(0, buf, sizeof(buf));
@@ -146,6 +148,49 @@ int main(int argc, char** argv) {
             js.find("\"device_bytes\":0") != std::string::npos,
         "everything freed: %s", js.c_str());
   CHECK(js.find("\"adopts\":2") != std::string::npos, "two adoptions: %s", js.c_str());
+
+  // Re-declaring a next use: a tensor got from the tier is put again with a later next use and
+  // its old handle freed; the later one holds (the old one, 5, would be prefetched at 10).
+  {
+    void* s6 = storage(3 * MiB);
+    int64_t h6 = put(s6, 0, 5);
+    CHECK(h6 > 0, "put: %s", last_error());
+    drop(s6);
+    void* s7 = storage(3 * MiB);
+    int64_t h7 = put(s7, 0, -1);
+    drop(s7);
+    flush(0, 0);
+    CHECK(state(h6) == 3, "evicted for the second tensor (state %d)", state(h6));
+    CHECK(get(h6, 0, &ptr, &nbytes, &dev) == 0, "get h6: %s", last_error());
+    auto got6 = c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(),
+        static_cast<int64_t>(nbytes),
+        c10::DataPtr(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)), c10::Device(c10::DeviceType::CUDA, 0)),
+        nullptr,
+        false);
+    CHECK(bind(got6.get(), h6) == 0, "bind: %s", last_error());
+    int64_t h8 = put(got6.get(), 0, 1000);
+    CHECK(h8 > 0, "put again: %s", last_error());
+    CHECK(free_h(h6) == 0, "free the old handle: %s", last_error());
+    got6.reset();
+    CHECK(state(h8) == 1, "put (state %d)", state(h8));
+    // Evict it again (h7 fetched over the budget), then make room.
+    CHECK(get(h7, 0, &ptr, &nbytes, &dev) == 0, "get h7: %s", last_error());
+    CHECK(unget(h7) == 0, "unget h7: %s", last_error());
+    flush(0, 0);
+    CHECK(state(h8) == 3, "evicted again (state %d)", state(h8));
+    CHECK(free_h(h7) == 0, "free h7: %s", last_error());
+    flush(0, 0);
+    CHECK(advance(0, 10) == 0, "advance: %s", last_error());
+    flush(0, 0);
+    CHECK(state(h8) == 3, "not prefetched at 10: its next use is 1000 (state %d)", state(h8));
+    CHECK(advance(0, 999) == 0, "advance: %s", last_error());
+    flush(0, 0);
+    CHECK(state(h8) == 1, "prefetched ahead of 1000 (state %d)", state(h8));
+    CHECK(free_h(h8) == 0, "free h8: %s", last_error());
+    flush(0, 1);
+    CHECK(verify(0) == 0, "%s", last_error());
+  }
 
   // Memory gmlake did not allocate is refused, naming why; the storage is left as it was.
   static char host[4096];

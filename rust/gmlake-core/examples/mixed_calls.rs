@@ -5,7 +5,9 @@
 //! utilization (active / reserved, sampled at every step) over them.
 //!
 //! Run: `cargo run --release -p gmlake-core --example mixed_calls -- [live] [ops] [key=value...]`
-//! (defaults 10000 and 1000000, latency.cpp's; key=value as `GMLAKE_CONF`).
+//! (defaults 10000 and 1000000, latency.cpp's; key=value as `GMLAKE_CONF`). `MIXED_MIN` and
+//! `MIXED_MAX` (bytes) change the size range: `MIXED_MIN=1048576 MIXED_MAX=536870912` with
+//! about 370 live blocks is bench/workloads/stress.py's pattern (1-512 MiB, 30 GiB live).
 
 use gmlake_core::{Allocator, Config, SimDevice};
 
@@ -32,7 +34,16 @@ fn main() {
         seed ^= seed << 17;
         seed
     };
-    let (lmin, lmax) = ((512f64).ln(), ((32u64 << 20) as f64).ln());
+    let env_size = |name: &str, default: u64| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(default)
+    };
+    let (lmin, lmax) = (
+        (env_size("MIXED_MIN", 512) as f64).ln(),
+        (env_size("MIXED_MAX", 32 << 20) as f64).ln(),
+    );
     let draw = |r: u64| {
         let u = (r >> 11) as f64 / (1u64 << 53) as f64;
         (lmin + u * (lmax - lmin)).exp() as u64

@@ -548,6 +548,16 @@ impl<D: Device> Tier<D> {
         Ok(())
     }
 
+    /// Declares when a tensor is needed next (`None`: unknown), in any state: the policy and
+    /// prefetch read it from now on. For a client whose owners of one tensor come and go (the
+    /// PyTorch bridge keeps the earliest next use among a tensor's handles).
+    pub fn set_next_use(&self, id: TensorId, next_use: Option<u64>) -> Result<()> {
+        let mut g = self.inner.lock();
+        let e = g.entries.get_mut(&id).ok_or_else(|| unknown(id))?;
+        e.next_use = next_use;
+        Ok(())
+    }
+
     /// Takes over a live allocation of the allocator made by the client (e.g. a PyTorch
     /// tensor's storage): the block at `ptr` (the start of an allocation) holding `size` bytes
     /// last used on `stream` becomes a resident tier tensor; the tier frees it from now on.

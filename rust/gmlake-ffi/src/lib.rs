@@ -259,6 +259,8 @@ pub mod ffi {
         fn adopt(self: &GmlakeTier, ptr: u64, size: u64, stream: u64) -> Result<u64>;
         /// Not needed now; `next_use` (< 0: none) in the clock of `advance`.
         fn put(self: &GmlakeTier, id: u64, next_use: i64) -> Result<()>;
+        /// Declares when a tensor is needed next (< 0: unknown), in any state.
+        fn set_next_use(self: &GmlakeTier, id: u64, next_use: i64) -> Result<()>;
         /// Starts evicting a put tensor now.
         fn offload(self: &GmlakeTier, id: u64) -> Result<()>;
         /// Evicts put tensors to make room for an allocation of `bytes` the allocator refused,

@@ -20,6 +20,7 @@ pub trait TierCore: Send + Sync {
     fn create(&self, size: u64, stream: StreamId) -> Result<(TensorId, DevicePtr)>;
     fn adopt(&self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<TensorId>;
     fn put(&self, id: TensorId, next_use: Option<u64>) -> Result<()>;
+    fn set_next_use(&self, id: TensorId, next_use: Option<u64>) -> Result<()>;
     fn offload(&self, id: TensorId) -> Result<()>;
     fn relieve(&self, bytes: u64) -> Result<u64>;
     fn get(&self, id: TensorId, stream: StreamId) -> Result<Fetched>;
@@ -48,6 +49,9 @@ impl<D: gmlake_core::Device + 'static> TierCore for Tier<D> {
     }
     fn put(&self, id: TensorId, next_use: Option<u64>) -> Result<()> {
         Tier::put(self, id, next_use)
+    }
+    fn set_next_use(&self, id: TensorId, next_use: Option<u64>) -> Result<()> {
+        Tier::set_next_use(self, id, next_use)
     }
     fn offload(&self, id: TensorId) -> Result<()> {
         Tier::offload(self, id)
@@ -231,6 +235,13 @@ impl GmlakeTier {
         guard("tier put", || {
             let nu = (next_use >= 0).then_some(next_use as u64);
             self.core.put(TensorId(id), nu).map_err(core_err)
+        })
+    }
+
+    pub(crate) fn set_next_use(&self, id: u64, next_use: i64) -> std::result::Result<(), String> {
+        guard("tier set_next_use", || {
+            let nu = (next_use >= 0).then_some(next_use as u64);
+            self.core.set_next_use(TensorId(id), nu).map_err(core_err)
         })
     }
 
