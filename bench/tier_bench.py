@@ -317,17 +317,17 @@ def child_params(args) -> dict:
         out.update(ok=False, error="OOM", message=str(e)[:300], losses=losses)
     if use_tier:
         out["tier"] = tier.stats()
+    # Largest batch that runs one step (ascending; stops at the first failure).
     largest = 0
-    if out.get("ok"):
-        for rows in args.search:
-            try:
-                torch.cuda.empty_cache()
-                step_fn(rows, step, 7)
-                step += 1
-                torch.cuda.synchronize()
-                largest = rows
-            except torch.cuda.OutOfMemoryError:
-                break
+    for rows in args.search:
+        try:
+            torch.cuda.empty_cache()
+            step_fn(rows, step, 7)
+            step += 1
+            torch.cuda.synchronize()
+            largest = rows
+        except torch.cuda.OutOfMemoryError:
+            break
     out["largest_rows"] = largest
     return out
 
@@ -340,7 +340,7 @@ def main() -> int:
                     help="mlp: activations in the tier; params: weights and activations (see above)")
     ap.add_argument("--rows", type=int, help="tokens per batch (mlp 16384, params 8192)")
     ap.add_argument("--search", type=int, nargs="+",
-                    help="batches tried for the largest (mlp 4096-32768, params 4096-16384)")
+                    help="batches tried for the largest (mlp 4096-32768, params 1024-32768)")
     ap.add_argument("--width", type=int, help="mlp 4096, params 8192")
     ap.add_argument("--depth", type=int, help="mlp 16, params 12")
     ap.add_argument("--steps", type=int, default=5)
@@ -352,7 +352,7 @@ def main() -> int:
     args = ap.parse_args()
     for key, mlp, params in (("rows", 16384, 8192), ("width", 4096, 8192), ("depth", 16, 12),
                              ("cap_gib", 4.0, 2.5),
-                             ("search", [4096, 8192, 16384, 24576, 32768], [4096, 8192, 12288, 16384])):
+                             ("search", [4096, 8192, 16384, 24576, 32768], [1024, 2048, 4096, 8192, 12288, 16384, 24576, 32768])):
         if getattr(args, key) is None:
             setattr(args, key, params if args.job == "params" else mlp)
     if args.child:
