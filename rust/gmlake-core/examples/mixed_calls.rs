@@ -61,9 +61,11 @@ fn main() {
     let mut c0 = a.device().calls();
     let (mut peak_active, mut peak_reserved) = (0u64, 0u64);
     let mut min_util = f64::INFINITY;
+    let mut t0 = std::time::Instant::now();
     for i in 0..warm + ops {
         if i == warm {
             c0 = a.device().calls();
+            t0 = std::time::Instant::now();
         }
         let r = next();
         let j = (r >> 33) as usize % live_n;
@@ -80,6 +82,7 @@ fn main() {
             min_util = min_util.min(active as f64 / res as f64);
         }
     }
+    let host_ns = t0.elapsed().as_nanos() as f64 / (2.0 * ops as f64);
     let c1 = a.device().calls();
     let st = a.stats();
     let busy_ms = ((c1.map - c0.map) as f64 * 150.9
@@ -88,7 +91,7 @@ fn main() {
         + (c1.release_physical - c0.release_physical) as f64 * 61.0)
         / 1000.0;
     println!(
-        "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0}, calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}",
+        "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0}, calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}, core host ns/op {host_ns:.0} (simulated device, utilization sampled every step)",
         c1.total() - c0.total(),
         c1.map - c0.map,
         c1.unmap - c0.unmap,
