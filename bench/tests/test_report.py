@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCH))
 import report  # noqa: E402
 
 GiB = 1 << 30
-WORKLOADS = ["llm_lora", "fsdp_offload", "moe", "conv", "kv_infer", "concat_cache", "stress"]
+WORKLOADS = ["llm_lora", "fsdp_offload", "moe", "conv", "kv_infer", "concat_cache", "stress", "zero3"]
 
 
 def synthetic(gmlake_util=0.99, gmlake_ratio=1.005, fail_kv_expandable=False):
@@ -170,7 +170,7 @@ def test_workload_help_needs_no_torch(w):
 
 
 def test_run_script_syntax():
-    for s in ("run-gpu.sh", "build-latency.sh"):
+    for s in ("run-gpu.sh", "build-latency.sh", "deepspeed/run.sh", "deepspeed/wheels.sh"):
         r = subprocess.run(["bash", "-n", str(BENCH / s)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
@@ -224,3 +224,28 @@ def test_new_workloads_run_on_cpu(tmp_path, w):
     assert r.returncode == 0, r.stderr
     run = next(x for x in map(json.loads, out.read_text().splitlines()) if x["kind"] == "workload")
     assert run["ok"] and len(run["step_times_s"]) == 3
+
+
+def test_zero3_table(tmp_path):
+    """bench/deepspeed/table.py: losses compared with native's, ratios to the faster baseline."""
+    sys.path.insert(0, str(BENCH / "deepspeed"))
+    import table
+
+    def run(a, step, losses, ok=True):
+        return {"kind": "workload", "tag": "zero3-LR", "allocator": a, "ok": ok, "median_step_s": step,
+                "peak_active_bytes": 9 * GiB, "peak_reserved_bytes": (10 if a != "gmlake" else 9.1) * GiB,
+                "model": {"losses": losses}}
+    recs = [run("native", 0.200, [1.0, 2.0]), run("expandable", 0.100, [1.0, 2.0]),
+            run("gmlake", 0.101, [1.0, 2.5]),
+            {"kind": "max_batch", "allocator": "gmlake", "max_batch": 24, "search_complete": True}]
+    p = tmp_path / "r.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in recs))
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert table.main(str(p)) == 0
+    lines = buf.getvalue().splitlines()
+    g = next(x for x in lines if x.startswith("| LR | gmlake"))
+    assert "0.989" in g and "1.010" in g and "no (max diff 5.00e-01)" in g, g
+    assert "| LR | expandable" in buf.getvalue() and "| gmlake | 24 |" in buf.getvalue()

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 17: DeepSpeed ZeRO-3 fine-tuning (bench/workloads/zero3.py) under native, expandable
+# segments and gmlake, for the strategies N, R, LR, RO, LRO; then the largest LR batch under a
+# memory cap. One process per GPU (torchrun when NPROC > 1).
+#
+#   bash bench/deepspeed/run.sh .artifacts/gpu/libgmlake_torch.so
+#
+# Environment: NPROC (GPUs, default 1), MODEL (default opt-1.3b), BATCH (8), STEPS (6),
+# STRATEGIES ("N R LR RO LRO"), ALLOCATORS ("native expandable gmlake native2"),
+# SEARCH (1: search the largest LR batch; CAP_GIB, default 40), DS_WHEELS (a folder of wheels
+# to install DeepSpeed and its missing dependencies from, without network; default
+# .artifacts/ds, made by bench/deepspeed/wheels.sh). Results: $OUT/zero3/results.jsonl.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+lib=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+O=${OUT:-bench/out}/zero3
+mkdir -p "$O"
+export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1 GMLAKE_LIBRARY="$lib"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUBLAS_WORKSPACE_CONFIG=:4096:8   # deterministic cuBLAS: equal losses across allocators
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
+NPROC=${NPROC:-1}
+MODEL=${MODEL:-opt-1.3b}
+BATCH=${BATCH:-8}
+STEPS=${STEPS:-6}
+STRATEGIES=${STRATEGIES:-"N R LR RO LRO"}
+ALLOCATORS=${ALLOCATORS:-"native expandable gmlake native2"}
+wheels=${DS_WHEELS:-.artifacts/ds}
+if ! python3 -c "import deepspeed" 2>/dev/null; then
+  python3 -m pip install -q --no-index --find-links "$wheels" deepspeed >"$O/install.log" 2>&1 \
+    || { echo "cannot install deepspeed from $wheels (see $O/install.log)"; tail -5 "$O/install.log"; exit 2; }
+fi
+python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)" 2>&1 | grep -v "^\[" | tail -1
+launch() { # allocator, then the workload's arguments
+  local a=$1; shift
+  local label=$a env_=() alloc=$a pre=()
+  [ "$a" = native2 ] && alloc=native
+  [ "$a" = expandable ] && env_=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+  if [ "$NPROC" -gt 1 ]; then
+    pre=(torchrun --standalone --nproc-per-node "$NPROC")
+    [ "$alloc" = gmlake ] && pre+=(-m gmlake)
+    pre+=(bench/workloads/zero3.py)
+  else
+    pre=(python3 bench/workloads/zero3.py)
+  fi
+  env "${env_[@]}" timeout -k 10 "${RUN_TIMEOUT:-300}" "${pre[@]}" --allocator "$alloc" --label "$label" "$@"
+}
+for s in $STRATEGIES; do
+  for a in $ALLOCATORS; do
+    echo "== $s / $a"
+    launch "$a" --strategy "$s" --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --tag "zero3-$s" \
+      --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
+  done
+done
+if [ "${SEARCH:-1}" = 1 ]; then
+  for a in native expandable gmlake; do
+    echo "== largest LR batch under ${CAP_GIB:-40} GiB / $a"
+    launch "$a" --strategy LR --model "$MODEL" --batch "$BATCH" --no-run --search --cap-gib "${CAP_GIB:-40}" \
+      --search-time "${SEARCH_TIME:-150}" --tag zero3-LR-search --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
+  done
+fi
+python3 bench/deepspeed/table.py "$O/results.jsonl" | tee "$O/table.md"
