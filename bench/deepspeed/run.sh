@@ -6,10 +6,13 @@
 #   bash bench/deepspeed/run.sh .artifacts/gpu/libgmlake_torch.so
 #
 # Environment: NPROC (GPUs, default 1), MODEL (default opt-1.3b), BATCH (8), STEPS (6),
-# STRATEGIES ("N R LR RO LRO"), ALLOCATORS ("native expandable gmlake native2"),
+# STRATEGIES ("N R LR RO LRO"), ALLOCATORS ("native expandable gmlake native2"; an entry
+# gmlake+key:value,... runs gmlake with that GMLAKE_CONF, e.g. gmlake+page_size:8MiB),
 # SEARCH (1: search the largest LR batch; CAP_GIB, default 40), DS_WHEELS (a folder of wheels
 # to install DeepSpeed and its missing dependencies from, without network; default
-# .artifacts/ds, made by bench/deepspeed/wheels.sh). Results: $OUT/zero3/results.jsonl.
+# .artifacts/ds, made by bench/deepspeed/wheels.sh), TRACE_STRATEGIES (strategies whose native
+# run records its allocator trace, for `gmlake replay`: $OUT/zero3/zero3-S-native.pickle.gz).
+# Results: $OUT/zero3/results.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 lib=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
@@ -36,6 +39,10 @@ launch() { # allocator, then the workload's arguments
   local label=$a env_=() alloc=$a pre=()
   [ "$a" = native2 ] && alloc=native
   [ "$a" = expandable ] && env_=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+  if [[ "$a" == gmlake+* ]]; then  # gmlake+key:value,...: gmlake with that GMLAKE_CONF
+    alloc=gmlake
+    env_=(GMLAKE_CONF="${a#gmlake+}")
+  fi
   if [ "$NPROC" -gt 1 ]; then
     pre=(torchrun --standalone --nproc-per-node "$NPROC")
     [ "$alloc" = gmlake ] && pre+=(-m gmlake)
@@ -48,7 +55,9 @@ launch() { # allocator, then the workload's arguments
 for s in $STRATEGIES; do
   for a in $ALLOCATORS; do
     echo "== $s / $a"
-    launch "$a" --strategy "$s" --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --tag "zero3-$s" \
+    trace=()
+    [ "$a" = native ] && [[ " ${TRACE_STRATEGIES:-} " == *" $s "* ]] && trace=(--record-trace "$O/zero3-$s-native.pickle.gz")
+    launch "$a" "${trace[@]}" --strategy "$s" --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --tag "zero3-$s" \
       --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
   done
 done

@@ -41,6 +41,47 @@ def add_args(p):
     g.add_argument("--seq-max", type=int, default=1024)
     g.add_argument("--lora-r", type=int, default=16)
     g.add_argument("--lr", type=float, default=1e-5)
+    g.add_argument("--init-on", choices=("gpu", "cpu"), default="gpu",
+                   help="where the random weights are drawn (gpu: seconds; cpu: a minute for 1.3B, "
+                        "torchrun gives each rank one CPU thread); the model goes to DeepSpeed on the host")
+
+
+def build_model(cls, cfg, device, seed):
+    """The model on the host with seeded random weights. With a device, the weights are drawn
+    there (Philox, fast) and copied to the host; every allocation of that is freed and the
+    cache emptied and the peaks reset before DeepSpeed starts, so no allocator keeps it."""
+    import torch
+
+    if device is None:
+        return cls(cfg)
+    with torch.device("meta"):
+        model = cls(cfg)
+    if any(True for _ in model.buffers()):
+        return cls(cfg)  # buffers would have no values after to_empty: draw on the host
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    std = getattr(cfg, "init_std", 0.02)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+                m.weight.normal_(0.0, std, generator=g)
+                if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                    m.bias.zero_()
+                if isinstance(m, torch.nn.Embedding) and m.padding_idx is not None:
+                    m.weight[m.padding_idx].zero_()
+            elif isinstance(m, torch.nn.LayerNorm):
+                if m.weight is not None:
+                    m.weight.fill_(1.0)
+                if m.bias is not None:
+                    m.bias.zero_()
+    model = model.to("cpu")
+    model.tie_weights()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return model
 
 
 def _init_dist():
@@ -67,9 +108,13 @@ def _init_dist():
 
 class Zero3:
     def __init__(self, args, device):
+        import time
+
         import deepspeed
         import torch
         from transformers import OPTConfig, OPTForCausalLM
+
+        t0 = time.perf_counter()
 
         if args.tiny:
             args.model, args.seq_min, args.seq_max = "opt-125m", 32, 64
@@ -78,6 +123,8 @@ class Zero3:
         self.device = f"cuda:{local}"
         if self.rank != 0 and args.out:
             args.out = f"{args.out}.rank{self.rank}"
+        if self.rank != 0 and getattr(args, "record_trace", ""):
+            args.record_trace = args.record_trace.replace(".pickle", f".rank{self.rank}.pickle")
         s = args.strategy
         lora, recompute, offload = "L" in s, "R" in s, "O" in s
         kw = dict(vocab_size=50272, max_position_embeddings=2048, dropout=0.0,
@@ -120,7 +167,14 @@ class Zero3:
         old = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
         try:
-            model = OPTForCausalLM(cfg)
+            self.init_on = args.init_on
+            try:
+                model = build_model(OPTForCausalLM, cfg, self.device if args.init_on == "gpu" else None, args.seed)
+            except Exception as e:  # noqa: BLE001 - any failure there: draw on the host instead
+                print(f"[zero3] drawing the weights on the GPU failed ({type(e).__name__}: {e}); "
+                      "drawing them on the host", file=sys.stderr)
+                self.init_on = "cpu"
+                model = OPTForCausalLM(cfg)
         finally:
             torch.set_default_dtype(old)
         if recompute:
@@ -136,14 +190,17 @@ class Zero3:
                 model.enable_input_require_grads()
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=args.lr)
+        t1 = time.perf_counter()
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        t2 = time.perf_counter()
         self.engine.train()
         self.losses = []
         total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params)
         self._info = {"model": args.model, "strategy": s, "params": total,
                       "trainable_params": trainable, "world_size": self.world,
-                      "deepspeed": deepspeed.__version__, "zero": zero}
+                      "deepspeed": deepspeed.__version__, "zero": zero,
+                      "init_on": self.init_on, "build_s": round(t1 - t0, 1), "deepspeed_init_s": round(t2 - t1, 1)}
 
     def info(self):
         return dict(self._info, losses=self.losses)
