@@ -252,28 +252,7 @@ std::vector<SegmentInfo> snapshot() {
   if (!use_gmlake()) {
     return Native::snapshot();
   }
-  gmlake::SnapshotData d = gm().snapshot(PoolId{0, 0}, /*include_traces=*/false);
-  std::vector<SegmentInfo> out;
-  out.reserve(d.segments.size());
-  for (const auto& s : d.segments) {
-    SegmentInfo seg;
-    seg.device = s.device;
-    seg.address = static_cast<int64_t>(s.address);
-    seg.total_size = static_cast<int64_t>(s.total_size);
-    seg.allocated_size = static_cast<int64_t>(s.allocated_size);
-    seg.active_size = static_cast<int64_t>(s.active_size);
-    seg.stream = static_cast<cudaStream_t>(s.stream);
-    seg.is_large = s.is_large;
-    for (const auto& b : s.blocks) {
-      BlockInfo bi;
-      bi.size = static_cast<int64_t>(b.size);
-      bi.allocated = b.allocated;
-      bi.active = b.active;
-      seg.blocks.push_back(bi);
-    }
-    out.push_back(std::move(seg));
-  }
-  return out;
+  return gmlake::compat::segments_to<SegmentInfo>(gm().snapshot(PoolId{0, 0}, /*include_traces=*/false));
 }
 
 void notifyCaptureBegin(int device, CaptureId_t graph_id, MempoolId_t mempool_id) {

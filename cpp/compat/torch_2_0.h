@@ -20,78 +20,6 @@ namespace cca = c10::cuda::CUDACachingAllocator;
 using MempoolId = c10::cuda::MempoolId_t;
 using CaptureId = c10::cuda::CaptureId_t;
 
-// 2.0 has no SEGMENT_MAP / SEGMENT_UNMAP: a page mapped is reported as memory obtained, a page
-// unmapped as memory returned.
-inline cca::TraceEntry::Action to_torch(Action a) {
-  switch (a) {
-    case Action::ALLOC:
-      return cca::TraceEntry::ALLOC;
-    case Action::FREE_REQUESTED:
-      return cca::TraceEntry::FREE_REQUESTED;
-    case Action::FREE_COMPLETED:
-      return cca::TraceEntry::FREE_COMPLETED;
-    case Action::SEGMENT_ALLOC:
-    case Action::SEGMENT_MAP:
-      return cca::TraceEntry::SEGMENT_ALLOC;
-    case Action::SEGMENT_FREE:
-    case Action::SEGMENT_UNMAP:
-      return cca::TraceEntry::SEGMENT_FREE;
-    case Action::SNAPSHOT:
-      return cca::TraceEntry::SNAPSHOT;
-    case Action::OOM:
-      return cca::TraceEntry::OOM;
-  }
-  return cca::TraceEntry::ALLOC;
-}
-
-inline cca::TraceEntry to_torch(const TraceRec& r) {
-  return cca::TraceEntry(
-      to_torch(r.action),
-      static_cast<int64_t>(r.addr),
-      static_cast<size_t>(r.size),
-      static_cast<cudaStream_t>(r.stream),
-      r.context);
-}
-
-inline cca::SnapshotInfo to_torch(const SnapshotData& d) {
-  cca::SnapshotInfo info;
-  for (const auto& s : d.segments) {
-    cca::SegmentInfo seg;
-    seg.device = s.device;
-    seg.address = static_cast<int64_t>(s.address);
-    seg.total_size = static_cast<int64_t>(s.total_size);
-    seg.requested_size = static_cast<int64_t>(s.requested_size);
-    seg.allocated_size = static_cast<int64_t>(s.allocated_size);
-    seg.active_size = static_cast<int64_t>(s.active_size);
-    seg.stream = static_cast<cudaStream_t>(s.stream);
-    seg.is_large = s.is_large;
-    uint64_t at = s.address;
-    for (const auto& b : s.blocks) {
-      cca::BlockInfo bi;
-      bi.size = static_cast<int64_t>(b.size);
-      bi.requested_size = static_cast<int64_t>(b.requested_size);
-      bi.allocated = b.allocated;
-      bi.active = b.active;
-      if (b.allocated) {
-        bi.history.push_back(cca::History{
-            reinterpret_cast<void*>(static_cast<uintptr_t>(at)), static_cast<size_t>(b.requested_size), b.context});
-      }
-      at += b.size;
-      seg.blocks.push_back(std::move(bi));
-    }
-    info.segments.push_back(std::move(seg));
-  }
-  for (const auto& dev : d.traces) {
-    std::vector<cca::TraceEntry> entries;
-    entries.reserve(dev.size());
-    for (const auto& r : dev) {
-      entries.push_back(to_torch(r));
-    }
-    info.device_traces.push_back(std::move(entries));
-  }
-  return info;
-}
-
 // Whether `stream` is capturing the CUDA graph `graph` (2.0 routes allocations by capture id).
 inline bool stream_captures(cudaStream_t stream, CaptureId graph) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -116,7 +44,8 @@ class GmlakeAllocator final : public compat::ForwardingAllocator<int> {
     impl_.empty_cache(PoolId{0, 0});
   }
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
-    return compat::to_torch(impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true));
+    return compat::snapshot_to<c10::cuda::CUDACachingAllocator::SnapshotInfo>(
+        impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true));
   }
   // CUDA graphs (2.0): allocations of streams capturing `graph_id` go to the pool until the
   // capture is about to end; the pool is released when the graph is destroyed.

@@ -19,51 +19,6 @@ namespace compat {
 namespace cca = c10::cuda::CUDACachingAllocator;
 using MempoolId = c10::cuda::MempoolId_t;
 
-inline cca::TraceEntry to_torch(const TraceRec& r) {
-  return cca::TraceEntry(
-      static_cast<cca::TraceEntry::Action>(r.action),
-      static_cast<int64_t>(r.addr),
-      static_cast<size_t>(r.size),
-      static_cast<cudaStream_t>(r.stream),
-      r.context);
-}
-
-inline cca::SnapshotInfo to_torch(const SnapshotData& d) {
-  cca::SnapshotInfo info;
-  for (const auto& s : d.segments) {
-    cca::SegmentInfo seg;
-    seg.device = s.device;
-    seg.address = static_cast<int64_t>(s.address);
-    seg.total_size = static_cast<int64_t>(s.total_size);
-    seg.requested_size = static_cast<int64_t>(s.requested_size);
-    seg.allocated_size = static_cast<int64_t>(s.allocated_size);
-    seg.active_size = static_cast<int64_t>(s.active_size);
-    seg.stream = static_cast<cudaStream_t>(s.stream);
-    seg.is_large = s.is_large;
-    seg.is_expandable = false;
-    seg.owner_private_pool_id = MempoolId{s.pool.first, s.pool.second};
-    for (const auto& b : s.blocks) {
-      cca::BlockInfo bi;
-      bi.size = static_cast<int64_t>(b.size);
-      bi.requested_size = static_cast<int64_t>(b.requested_size);
-      bi.allocated = b.allocated;
-      bi.active = b.active;
-      bi.context_when_allocated = b.context;
-      seg.blocks.push_back(std::move(bi));
-    }
-    info.segments.push_back(std::move(seg));
-  }
-  for (const auto& dev : d.traces) {
-    std::vector<cca::TraceEntry> entries;
-    entries.reserve(dev.size());
-    for (const auto& r : dev) {
-      entries.push_back(to_torch(r));
-    }
-    info.device_traces.push_back(std::move(entries));
-  }
-  return info;
-}
-
 } // namespace compat
 
 class GmlakeAllocator final : public compat::CheckpointingAllocator<int, compat::MempoolId> {
@@ -77,7 +32,8 @@ class GmlakeAllocator final : public compat::CheckpointingAllocator<int, compat:
     impl_.empty_cache(PoolId{0, 0});
   }
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
-    return compat::to_torch(impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true));
+    return compat::snapshot_to<c10::cuda::CUDACachingAllocator::SnapshotInfo>(
+        impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true));
   }
   // CUDA graphs (2.1): allocations on `stream` go to the pool until endAllocateStreamToPool.
   void beginAllocateStreamToPool(int device, cudaStream_t stream, compat::MempoolId mempool_id) override {

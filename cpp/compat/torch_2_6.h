@@ -16,61 +16,8 @@ namespace cca = c10::cuda::CUDACachingAllocator;
 namespace cda = c10::CachingDeviceAllocator;
 using MempoolId = c10::cuda::MempoolId_t;
 
-inline cca::TraceEntry to_torch(const TraceRec& r) {
-  return cca::TraceEntry(
-      static_cast<cca::TraceEntry::Action>(r.action),
-      static_cast<c10::DeviceIndex>(r.device),
-      static_cast<size_t>(r.addr),
-      static_cast<size_t>(r.size),
-      static_cast<cudaStream_t>(r.stream),
-      r.time,
-      r.context);
-}
-
 inline cca::SnapshotInfo to_torch(const SnapshotData& d, c10::ApproximateClockToUnixTimeConverter& clock) {
-  cca::SnapshotInfo info;
-  for (const auto& s : d.segments) {
-    cca::SegmentInfo seg;
-    seg.device = static_cast<c10::DeviceIndex>(s.device);
-    seg.address = static_cast<size_t>(s.address);
-    seg.total_size = static_cast<size_t>(s.total_size);
-    seg.requested_size = static_cast<size_t>(s.requested_size);
-    seg.allocated_size = static_cast<size_t>(s.allocated_size);
-    seg.active_size = static_cast<size_t>(s.active_size);
-    seg.stream = static_cast<cudaStream_t>(s.stream);
-    seg.is_large = s.is_large;
-    seg.is_expandable = false;
-    seg.owner_private_pool_id = MempoolId{s.pool.first, s.pool.second};
-    for (const auto& b : s.blocks) {
-      cca::BlockInfo bi;
-      bi.size = static_cast<size_t>(b.size);
-      bi.requested_size = static_cast<size_t>(b.requested_size);
-      bi.allocated = b.allocated;
-      bi.active = b.active;
-      bi.context_when_allocated = b.context;
-      seg.blocks.push_back(std::move(bi));
-    }
-    info.segments.push_back(std::move(seg));
-  }
-  auto to_us = clock.makeConverter();
-  for (const auto& dev : d.traces) {
-    std::vector<cca::TraceEntry> entries;
-    entries.reserve(dev.size());
-    for (const auto& r : dev) {
-      cca::TraceEntry te = to_torch(r);
-      te.time_.t_ = to_us(r.time);
-      entries.push_back(std::move(te));
-    }
-    info.device_traces.push_back(std::move(entries));
-  }
-  for (const auto& a : d.annotations) {
-    cca::AnnotationEntry ae(static_cast<c10::DeviceIndex>(a.device), a.time);
-    for (const auto& kv : a.metadata) {
-      ae.recordUserMetadata(kv.first, kv.second);
-    }
-    ae.time_.t_ = to_us(a.time);
-    info.external_annotations.push_back(std::move(ae));
-  }
+  auto info = snapshot_to<cca::SnapshotInfo>(d, SnapshotOptions{}, &clock);
   auto& cm = info.config_metadata;
   cm.garbage_collection_threshold = 0.0;
   cm.max_split_size = std::numeric_limits<size_t>::max();
@@ -156,7 +103,7 @@ class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceI
     impl_.attach_oom_observer(std::move(observer));
   }
   void attachAllocatorTraceTracker(c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) override {
-    impl_.attach_trace_tracker([tracker = std::move(tracker)](const TraceRec& r) { tracker(compat::to_torch(r)); });
+    impl_.attach_trace_tracker([tracker = std::move(tracker)](const TraceRec& r) { tracker(compat::trace_entry_to<compat::cca::TraceEntry>(r)); });
   }
 
  private:
