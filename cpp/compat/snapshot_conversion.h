@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "gmlake_impl.h"
+
 namespace gmlake {
 namespace compat {
 namespace detail {

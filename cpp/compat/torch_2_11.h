@@ -13,36 +13,6 @@ namespace compat {
 namespace cca = c10::cuda::CUDACachingAllocator;
 namespace cda = c10::CachingDeviceAllocator;
 
-inline cca::SnapshotInfo to_torch(const SnapshotData& d, c10::ApproximateClockToUnixTimeConverter& clock) {
-  // A gmlake segment is a run of mapped pages in a reserved range that grows and shrinks page
-  // by page: what PyTorch's expandable segments are, and PyTorch's consistency rules for those
-  // hold (segment counts and inactive_split are not per cudaMalloc).
-  auto info = snapshot_to<cca::SnapshotInfo>(d, SnapshotOptions{/*expandable=*/true}, &clock);
-  // PyTorch's settings as torch parsed them (PYTORCH_CUDA_ALLOC_CONF, _set_allocator_settings),
-  // which gmlake accepts; docs/pytorch.md says which it honours. The settings string is
-  // gmlake's effective configuration.
-  auto& cm = info.config_metadata;
-  using AC = c10::CachingAllocator::AcceleratorAllocatorConfig;
-  using CC = c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig;
-  cm.garbage_collection_threshold = AC::garbage_collection_threshold();
-  cm.max_split_size = AC::max_split_size();
-  cm.pinned_num_register_threads = CC::pinned_num_register_threads();
-  cm.expandable_segments = false; // gmlake's segments are not PyTorch's expandable segments
-  cm.release_lock_on_malloc = CC::release_lock_on_cudamalloc();
-  cm.pinned_use_host_register = CC::pinned_use_cuda_host_register();
-  cm.graph_capture_record_stream_reuse = CC::graph_capture_record_stream_reuse();
-  cm.last_allocator_settings = d.settings;
-  cm.roundup_power2_divisions.clear();
-  {
-    // PyTorch reports one entry per interval, as the configuration holds them.
-    const auto& divs = AC::roundup_power2_divisions();
-    for (size_t v : divs) {
-      cm.roundup_power2_divisions.push_back(v);
-    }
-  }
-  return info;
-}
-
 inline std::vector<Action> parse_skip_actions(const std::vector<std::string>& names) {
   std::vector<Action> out;
   for (const auto& n : names) {
@@ -53,50 +23,46 @@ inline std::vector<Action> parse_skip_actions(const std::vector<std::string>& na
 
 } // namespace compat
 
-class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceIndex, c10::MempoolId_t> {
+class GmlakeAllocator final : public compat::PoolRoutingAllocator<c10::DeviceIndex, c10::MempoolId_t> {
  public:
-  using CheckpointingAllocator::CheckpointingAllocator;
+  using PoolRoutingAllocator::PoolRoutingAllocator;
 
-  c10::DataPtr allocate(size_t n) override {
-    return impl_.allocate(n);
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    impl_.copy_data(dest, src, count);
-  }
   void emptyCache(c10::MempoolId_t mempool_id) override {
     impl_.empty_cache(PoolId{mempool_id.first, mempool_id.second});
-  }
-  double getMemoryFraction(c10::DeviceIndex device) override {
-    return impl_.memory_fraction(device);
   }
   std::vector<c10::cuda::CUDACachingAllocator::StreamSegmentSize> getExpandableSegmentSizes(
       c10::DeviceIndex /*device*/) override {
     // gmlake has no expandable segments (its segments are stitched page runs).
     return {};
   }
-  void enable(bool value) override {
-    impl_.enable(value);
-  }
-  bool isEnabled() const override {
-    return impl_.is_enabled();
-  }
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(
       c10::MempoolId_t mempool_id,
       bool include_traces) override {
     SnapshotData d = impl_.snapshot(PoolId{mempool_id.first, mempool_id.second}, include_traces);
-    return compat::to_torch(d, clock_converter_);
-  }
-  void beginAllocateToPool(
-      c10::DeviceIndex device,
-      c10::MempoolId_t mempool_id,
-      std::function<bool(cudaStream_t)> filter) override {
-    impl_.begin_allocate_to_pool(device, PoolId{mempool_id.first, mempool_id.second}, std::move(filter));
-  }
-  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
-    impl_.end_allocate_to_pool(device, PoolId{mempool_id.first, mempool_id.second});
-  }
-  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
-    return impl_.pool_use_count(device, PoolId{mempool_id.first, mempool_id.second});
+    // A gmlake segment is a run of mapped pages in a reserved range that grows and shrinks
+    // page by page: what PyTorch's expandable segments are, and PyTorch's consistency rules
+    // for those hold (segment counts and inactive_split are not per cudaMalloc).
+    auto info = snapshot_info(d, compat::SnapshotOptions{/*expandable=*/true});
+    // PyTorch's settings as torch parsed them (PYTORCH_CUDA_ALLOC_CONF,
+    // _set_allocator_settings), which gmlake accepts; docs/pytorch.md says which it honours.
+    // The settings string is gmlake's effective configuration.
+    auto& cm = info.config_metadata;
+    using AC = c10::CachingAllocator::AcceleratorAllocatorConfig;
+    using CC = c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig;
+    cm.garbage_collection_threshold = AC::garbage_collection_threshold();
+    cm.max_split_size = AC::max_split_size();
+    cm.pinned_num_register_threads = CC::pinned_num_register_threads();
+    cm.expandable_segments = false; // gmlake's segments are not PyTorch's expandable segments
+    cm.release_lock_on_malloc = CC::release_lock_on_cudamalloc();
+    cm.pinned_use_host_register = CC::pinned_use_cuda_host_register();
+    cm.graph_capture_record_stream_reuse = CC::graph_capture_record_stream_reuse();
+    cm.last_allocator_settings = d.settings;
+    cm.roundup_power2_divisions.clear();
+    // PyTorch reports one entry per interval, as the configuration holds them.
+    for (size_t v : AC::roundup_power2_divisions()) {
+      cm.roundup_power2_divisions.push_back(v);
+    }
+    return info;
   }
   void createOrIncrefPool(
       c10::DeviceIndex device,
@@ -116,16 +82,6 @@ class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceI
   void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t mempool_id) override {
     impl_.set_no_split(device, PoolId{mempool_id.first, mempool_id.second});
   }
-  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
-    auto [offset, handle] = impl_.share_ipc(ptr);
-    return c10::cuda::CUDACachingAllocator::ShareableHandle{offset, std::move(handle)};
-  }
-  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    return impl_.get_ipc_dev_ptr(handle);
-  }
-  bool isHistoryEnabled() override {
-    return impl_.history_enabled();
-  }
   void recordHistory(
       bool enabled,
       c10::CachingDeviceAllocator::CreateContextFn context_recorder,
@@ -141,9 +97,6 @@ class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceI
         clearHistory,
         compat::parse_skip_actions(skip_actions));
   }
-  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
-    impl_.record_annotation(md);
-  }
   void pushCompileContext(std::string& md) override {
     impl_.push_compile_context(md);
   }
@@ -156,15 +109,6 @@ class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceI
   std::string getUserMetadata() override {
     return impl_.user_metadata();
   }
-  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
-    impl_.attach_oom_observer(std::move(observer));
-  }
-  void attachAllocatorTraceTracker(c10::CachingDeviceAllocator::AllocatorTraceTracker tracker) override {
-    impl_.attach_trace_tracker([tracker = std::move(tracker)](const TraceRec& r) { tracker(compat::trace_entry_to<compat::cda::TraceEntry>(r)); });
-  }
-
- private:
-  c10::ApproximateClockToUnixTimeConverter clock_converter_;
 };
 
 namespace compat {
