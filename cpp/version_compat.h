@@ -88,3 +88,21 @@ constexpr const char* kAbiProbeOld = "_ZN3c106DeviceC1ERKSs";
 #else
 #error "gmlake: this torch version is not supported yet (supported: 1.13, 2.0, 2.1, 2.6, 2.11). Add its allocator interface as cpp/compat/torch_<major>_<minor>.h."
 #endif
+
+#if GMLAKE_TORCH_VERSION_NUM >= 200
+namespace gmlake {
+namespace compat {
+
+// Makes `a` torch's CUDA allocator (see the notes' run-time install recipe).
+inline void install(GmlakeAllocator* a) {
+  cca::allocator.store(a);
+#if GMLAKE_TORCH_VERSION_NUM >= 209
+  // 2.9+: torch.accelerator.* and c10::GetAllocator(kCUDA) read the registry (2.6 has no
+  // c10::SetAllocator registration for CUDA: torch reads CUDACachingAllocator::get()).
+  c10::SetAllocator(c10::DeviceType::CUDA, a, /*priority=*/1);
+#endif
+}
+
+} // namespace compat
+} // namespace gmlake
+#endif

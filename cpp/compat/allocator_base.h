@@ -26,6 +26,9 @@
 namespace gmlake {
 namespace compat {
 
+namespace cca = c10::cuda::CUDACachingAllocator;
+using MempoolId = c10::cuda::MempoolId_t;
+
 // torch 2.0 and later.
 template <class Dev>
 class ForwardingAllocator : public c10::cuda::CUDACachingAllocator::CUDAAllocator {

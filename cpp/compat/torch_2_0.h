@@ -15,8 +15,6 @@
 namespace gmlake {
 namespace compat {
 
-namespace cca = c10::cuda::CUDACachingAllocator;
-using MempoolId = c10::cuda::MempoolId_t;
 using CaptureId = c10::cuda::CaptureId_t;
 
 } // namespace compat
@@ -62,11 +60,4 @@ class GmlakeAllocator final : public compat::ForwardingAllocator<int> {
   compat::KeyedPoolRoutes<compat::CaptureId> capture_routes_;
 };
 
-namespace compat {
-
-inline void install(GmlakeAllocator* a) {
-  cca::allocator.store(a);
-}
-
-} // namespace compat
 } // namespace gmlake

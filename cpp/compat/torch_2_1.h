@@ -13,12 +13,6 @@
 #include "compat/pool_routes.h"
 
 namespace gmlake {
-namespace compat {
-
-namespace cca = c10::cuda::CUDACachingAllocator;
-using MempoolId = c10::cuda::MempoolId_t;
-
-} // namespace compat
 
 class GmlakeAllocator final : public compat::CheckpointingAllocator<int, compat::MempoolId> {
  public:
@@ -39,11 +33,4 @@ class GmlakeAllocator final : public compat::CheckpointingAllocator<int, compat:
   compat::KeyedPoolRoutes<cudaStream_t> stream_routes_;
 };
 
-namespace compat {
-
-inline void install(GmlakeAllocator* a) {
-  cca::allocator.store(a);
-}
-
-} // namespace compat
 } // namespace gmlake

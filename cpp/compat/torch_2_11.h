@@ -10,13 +10,10 @@
 namespace gmlake {
 namespace compat {
 
-namespace cca = c10::cuda::CUDACachingAllocator;
-namespace cda = c10::CachingDeviceAllocator;
-
 inline std::vector<Action> parse_skip_actions(const std::vector<std::string>& names) {
   std::vector<Action> out;
   for (const auto& n : names) {
-    out.push_back(static_cast<Action>(cda::parseTraceEntryAction(n)));
+    out.push_back(static_cast<Action>(c10::CachingDeviceAllocator::parseTraceEntryAction(n)));
   }
   return out;
 }
@@ -111,14 +108,4 @@ class GmlakeAllocator final : public compat::PoolRoutingAllocator<c10::DeviceInd
   }
 };
 
-namespace compat {
-
-// Makes `a` torch's CUDA allocator (see the notes' run-time install recipe).
-inline void install(GmlakeAllocator* a) {
-  cca::allocator.store(a);
-  // 2.9+: torch.accelerator.* and c10::GetAllocator(kCUDA) read the registry.
-  c10::SetAllocator(c10::DeviceType::CUDA, a, /*priority=*/1);
-}
-
-} // namespace compat
 } // namespace gmlake

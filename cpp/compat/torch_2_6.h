@@ -10,12 +10,6 @@
 #pragma once
 
 namespace gmlake {
-namespace compat {
-
-namespace cca = c10::cuda::CUDACachingAllocator;
-using MempoolId = c10::cuda::MempoolId_t;
-
-} // namespace compat
 
 class GmlakeAllocator final : public compat::PoolRoutingAllocator<c10::DeviceIndex, compat::MempoolId> {
  public:
@@ -40,12 +34,4 @@ class GmlakeAllocator final : public compat::PoolRoutingAllocator<c10::DeviceInd
   }
 };
 
-namespace compat {
-
-// 2.6 has no c10::SetAllocator registration for CUDA: torch reads CUDACachingAllocator::get().
-inline void install(GmlakeAllocator* a) {
-  cca::allocator.store(a);
-}
-
-} // namespace compat
 } // namespace gmlake
