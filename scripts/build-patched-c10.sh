@@ -88,12 +88,7 @@ source scripts/lib/symbols.sh
 
 # ---- CUDA headers (runtime + crt from nvcc) and libcudart, from PyPI
 CUDA_ROOT="$ART/cuda-$CUDA_SERIES"
-if [ ! -f "$CUDA_ROOT/nvidia/cuda_runtime/include/cuda_runtime_api.h" ] \
-   || [ ! -f "$CUDA_ROOT/nvidia/cuda_nvcc/include/crt/host_config.h" ]; then
-  log "fetching nvidia-cuda-runtime-$CU==$CUDA_SERIES.* and the headers of nvidia-cuda-nvcc-$CU"
-  wheels_fetch "nvidia-cuda-runtime-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/*'
-  wheels_fetch "nvidia-cuda-nvcc-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/cuda_nvcc/include/*'
-fi
+wheels_cuda_headers "$CUDA_SERIES" "$CU" "$CUDA_ROOT"
 CUDA_INC="$CUDA_ROOT/nvidia/cuda_runtime/include;$CUDA_ROOT/nvidia/cuda_nvcc/include"
 if [ "$CU" = cu12 ]; then
   # c10/cuda/driver_api.h (2.1+) includes nvml.h (PyPI nvidia-nvml-dev).

@@ -60,12 +60,7 @@ for v in "${VERSIONS[@]}"; do
     rm -rf "$T" && mv "$T.tmp" "$T"
   fi
   C="$ART/cuda-$series"
-  if [ ! -f "$C/nvidia/cuda_runtime/include/cuda_runtime_api.h" ] \
-     || [ ! -f "$C/nvidia/cuda_nvcc/include/crt/host_config.h" ]; then
-    log "fetching nvidia-cuda-runtime-$cu==$series.* and nvidia-cuda-nvcc-$cu==$series.* headers"
-    wheels_fetch "nvidia-cuda-runtime-$cu==$series.*" "$C" 'nvidia/*'
-    wheels_fetch "nvidia-cuda-nvcc-$cu==$series.*" "$C" 'nvidia/cuda_nvcc/include/*'
-  fi
+  wheels_cuda_headers "$series" "$cu" "$C"
 done
 
 # ---- the Rust side: cxx bridge headers (and the staticlib with the wheels' ABI, for linking)

@@ -5,6 +5,7 @@
 #   wheels_torch_wheel DL VERSION            the torch==VERSION cp312 wheel in DL (downloaded when missing); prints its path
 #   wheels_extract WHEEL DEST PATTERN...     members matching glob PATTERNs (a leading ! excludes) into DEST
 #   wheels_extract_files DEST NAME -- WHEEL...   members named NAME (any folder) of the wheels, flat into DEST
+#   wheels_cuda_headers SERIES CU DEST      CUDA runtime + crt headers and libcudart under DEST/nvidia
 #   wheels_fetch REQ DEST PATTERN...         only the matching members of REQ's wheel (HTTP range requests,
 #                                            scripts/wheel-extract.py; REQ: PACKAGE==VERSION, VERSION may end in .*)
 
@@ -69,4 +70,16 @@ PY
 
 wheels_fetch() { # req dest pattern...
   python3 "$_wheels_dir/wheel-extract.py" "$@"
+}
+
+# CUDA runtime headers and libcudart (nvidia-cuda-runtime-CU) and crt/ headers (from
+# nvidia-cuda-nvcc-CU) of the newest SERIES release, under DEST/nvidia, unless there already.
+wheels_cuda_headers() { # series cu dest
+  local series="$1" cu="$2" dest="$3"
+  if [ ! -f "$dest/nvidia/cuda_runtime/include/cuda_runtime_api.h" ] \
+     || [ ! -f "$dest/nvidia/cuda_nvcc/include/crt/host_config.h" ]; then
+    echo "[wheels] fetching nvidia-cuda-runtime-$cu==$series.* and the headers of nvidia-cuda-nvcc-$cu" >&2
+    wheels_fetch "nvidia-cuda-runtime-$cu==$series.*" "$dest" 'nvidia/*'
+    wheels_fetch "nvidia-cuda-nvcc-$cu==$series.*" "$dest" 'nvidia/cuda_nvcc/include/*'
+  fi
 }
