@@ -5,7 +5,8 @@
 #   include("${GMLAKE_SOURCE_DIR}/cmake/GmlakeC10Cuda.cmake")
 #   gmlake_add_to_c10_cuda(c10_cuda 2.1.2)
 #
-# It adds cpp/gmlake_impl.cpp and the version's adapter (cpp/compat/c10_backend.cpp on 2.x,
+# It adds cpp/gmlake_impl.cpp (with its units history.cpp, pool_routing.cpp, ipc_cache.cpp) and
+# the version's adapter (cpp/compat/c10_backend.cpp on 2.x,
 # cpp/compat/torch_1_13.cpp on 1.13) to the target, defines C10_CUDA_USE_GMLAKE (the patched
 # CUDACachingAllocator.cpp selects gmlake with it), builds the Rust staticlib
 # (rust/gmlake-ffi) with cargo through GmlakeRust.cmake and links it PRIVATE with its symbols
@@ -69,7 +70,11 @@ function(gmlake_add_to_c10_cuda target torch_version)
     WORKSPACE "${GMLAKE_ROOT}"
     CXX11_ABI "${abi}")
 
-  set(srcs "${GMLAKE_ROOT}/cpp/gmlake_impl.cpp")
+  # gmlake::Impl and its units (the list of cpp/CMakeLists.txt's GMLAKE_IMPL_SOURCES).
+  set(srcs)
+  foreach(f gmlake_impl.cpp history.cpp pool_routing.cpp ipc_cache.cpp)
+    list(APPEND srcs "${GMLAKE_ROOT}/cpp/${f}")
+  endforeach()
   if(vnum LESS 200)
     list(APPEND srcs "${GMLAKE_ROOT}/cpp/compat/torch_1_13.cpp")
   else()

@@ -79,61 +79,6 @@ uint64_t round_size_with(uint64_t size, uint64_t divisions) {
   return (size + kMin - 1) / kMin * kMin;
 }
 
-#if GMLAKE_TORCH_VERSION_NUM >= 211
-// The capture a stream is in, and the graph nodes its next work will depend on.
-struct CaptureState {
-  bool active = false;
-  unsigned long long id = 0;
-  cudaGraph_t graph = nullptr;
-  const cudaGraphNode_t* terminals = nullptr;
-  size_t n = 0;
-};
-
-CaptureState capture_state(cudaStream_t s) {
-  CaptureState c;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-#if CUDART_VERSION >= 13000
-  cudaError_t e = cudaStreamGetCaptureInfo(s, &status, &c.id, &c.graph, &c.terminals, nullptr, &c.n);
-#else
-  cudaError_t e = cudaStreamGetCaptureInfo_v2(s, &status, &c.id, &c.graph, &c.terminals, &c.n);
-#endif
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return CaptureState{};
-  }
-  c.active = status == cudaStreamCaptureStatusActive;
-  return c;
-}
-
-std::vector<cudaGraphNode_t> graph_parents(cudaGraphNode_t node) {
-  size_t count = 0;
-#if CUDART_VERSION >= 13000
-  if (cudaGraphNodeGetDependencies(node, nullptr, nullptr, &count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return {};
-  }
-  std::vector<cudaGraphNode_t> out(count);
-  std::vector<cudaGraphEdgeData> edges(count);
-  if (count != 0 && cudaGraphNodeGetDependencies(node, out.data(), edges.data(), &count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return {};
-  }
-#else
-  if (cudaGraphNodeGetDependencies(node, nullptr, &count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return {};
-  }
-  std::vector<cudaGraphNode_t> out(count);
-  if (count != 0 && cudaGraphNodeGetDependencies(node, out.data(), &count) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return {};
-  }
-#endif
-  out.resize(count);
-  return out;
-}
-#endif
-
 std::atomic<Impl*> g_instance{nullptr};
 
 uint64_t as_u64(const void* p) {
@@ -182,19 +127,6 @@ Impl::Impl(std::string conf) : conf_(std::move(conf)) {
 
 Impl* Impl::instance() {
   return g_instance.load(std::memory_order_acquire);
-}
-
-void Impl::log_once(const char* key, const std::string& msg) noexcept {
-  try {
-    std::lock_guard<std::mutex> g(log_mu_);
-    int& n = logged_[key];
-    if (n++ == 0) {
-      std::fprintf(stderr, "[gmlake] %s (logged once)\n", msg.c_str());
-      std::fflush(stderr);
-    }
-  } catch (...) {
-    // Logging must never fail an operation.
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -257,7 +189,7 @@ const ffi::Gmlake& Impl::core(int device) {
     // The Rust side retains the device's primary context (the runtime's) and makes it
     // current around its own driver calls.
     rust::Box<ffi::Gmlake> box = ffi::new_cuda_allocator(device, rust::Str(conf_));
-    if (tracing_.load()) {
+    if (history_.tracing()) {
       box->set_history(1 << 16);
     }
     if (torch_fraction < 1.0 && box->memory_fraction() < 0) {
@@ -315,51 +247,10 @@ int Impl::owner_of(const void* ptr) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// History helpers
-
-ContextPtr Impl::gather(When needed) {
-  ContextRecorder rec = nullptr;
-  {
-    std::lock_guard<std::mutex> g(hist_mu_);
-    if (static_cast<int>(when_) < static_cast<int>(needed)) {
-      return nullptr;
-    }
-    rec = recorder_;
-  }
-  return rec ? rec() : nullptr;
-}
-
-void Impl::push_trace(DeviceState& ds, TraceRec rec) {
-  // Caller holds ds.trace_mu. Settings are read under hist_mu_ (lock order: trace_mu, hist_mu_).
-  std::vector<TraceTracker> trackers;
-  bool keep = false;
-  size_t cap = 0;
-  {
-    std::lock_guard<std::mutex> g(hist_mu_);
-    if (skip_[static_cast<size_t>(rec.action)]) {
-      return;
-    }
-    keep = record_history_;
-    cap = max_entries_;
-    trackers = trackers_;
-    if (!compile_stack_.empty()) {
-      rec.compile_context = compile_stack_.back();
-    }
-    rec.user_metadata = user_metadata_;
-  }
-  for (const auto& t : trackers) {
-    t(rec);
-  }
-  if (keep && cap > 0) {
-    ds.trace.push_back(std::move(rec));
-    while (ds.trace.size() > cap) {
-      ds.trace.pop_front();
-    }
-  }
-}
+// History
 
 void Impl::drain(DeviceState& ds, const ContextPtr& alloc_ctx, const ContextPtr& free_ctx) {
-  // Caller holds ds.trace_mu.
+  // Caller holds ds.hist.mu.
   ffi::Gmlake* c = ds.core.load(std::memory_order_acquire);
   if (c == nullptr) {
     return;
@@ -371,58 +262,19 @@ void Impl::drain(DeviceState& ds, const ContextPtr& alloc_ctx, const ContextPtr&
     log_once("take_history", std::string("gmlake: cannot read the allocator's history: ") + e.what());
     return;
   }
-  When when;
-  {
-    std::lock_guard<std::mutex> g(hist_mu_);
-    when = when_;
-  }
-  for (const auto& ev : events) {
-    if (ev.action > static_cast<uint8_t>(Action::OOM)) {
-      continue;
-    }
-    Action a = static_cast<Action>(ev.action);
-    ContextPtr ctx;
-    switch (a) {
-      case Action::FREE_REQUESTED:
-      case Action::FREE_COMPLETED:
-        ctx = when >= When::ALL ? free_ctx : nullptr;
-        break;
-      default:
-        ctx = when >= When::ALLOC ? (alloc_ctx ? alloc_ctx : free_ctx) : nullptr;
-        break;
-    }
-    PoolId pool{0, 0};
-    push_trace(
-        ds,
-        TraceRec{
-            a,
-            ds.index,
-            ev.addr,
-            ev.size,
-            reinterpret_cast<void*>(static_cast<uintptr_t>(ev.stream)),
-            pool,
-            c10::getApproximateTime(),
-            std::move(ctx),
-            std::string(),
-            std::string()});
-  }
+  history_.drain(ds.hist, ds.index, events, alloc_ctx, free_ctx);
 }
 
 void Impl::refresh_tracing() {
-  bool on;
-  {
-    std::lock_guard<std::mutex> g(hist_mu_);
-    on = record_history_ || !trackers_.empty();
-  }
-  const bool was = tracing_.exchange(on);
-  if (was == on) {
+  if (!history_.refresh()) {
     return;
   }
+  const bool on = history_.tracing();
   const int n = device_count_.load();
   for (int d = 0; d < n; ++d) {
     ffi::Gmlake* c = devices_[d] ? devices_[d]->core.load() : nullptr;
     if (c != nullptr) {
-      std::lock_guard<std::mutex> g(devices_[d]->trace_mu);
+      std::lock_guard<std::mutex> g(devices_[d]->hist.mu);
       try {
         c->set_history(on ? (1 << 16) : 0);
       } catch (const rust::Error& e) {
@@ -442,22 +294,15 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
   // CUDA graph capture (or use_mem_pool): route to the pool whose filter accepts the stream.
   // The innermost routing whose filter accepts the stream wins (nested use_mem_pool blocks
   // and captures form a stack, as in PyTorch's allocator).
-  bool in_pool = false;
-  bool no_split = false;
-  PoolId pool{0, 0};
-  if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
-    std::lock_guard<std::mutex> g(ds.pool_mu);
-    for (auto it = ds.routes.rbegin(); it != ds.routes.rend(); ++it) {
-      if (it->second(stream)) {
-        pool = it->first;
-        in_pool = true;
-        no_split = ds.n_no_split.load(std::memory_order_relaxed) > 0 && ds.no_split.count(pool) != 0;
-        break;
-      }
-    }
+  DevicePools::Route route;
+  if (C10_UNLIKELY(ds.pools.routing())) {
+    route = ds.pools.route(stream);
   }
-  if (C10_UNLIKELY(in_pool && ds.n_deferred.load(std::memory_order_acquire) > 0)) {
-    free_safe_blocks_in_capture(ds, c, stream);
+  const bool in_pool = route.in_pool;
+  const bool no_split = route.no_split;
+  const PoolId pool = route.pool;
+  if (C10_UNLIKELY(in_pool && ds.pools.has_deferred())) {
+    ds.pools.free_safe_blocks(c, stream, log_);
   }
 
   // Rounding the core is not told about by its configuration: PyTorch's
@@ -483,7 +328,7 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     // allocator does for cudaMalloc (memory created during a capture is kept until the graph
     // is released, so the graph's baked-in addresses stay valid).
     std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
-    if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
+    if (C10_UNLIKELY(ds.pools.routing())) {
       relaxed.emplace(cudaStreamCaptureModeRelaxed);
     }
     if (C10_UNLIKELY(rounded != 0)) {
@@ -495,20 +340,20 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
 
   ffi::AllocOutcome r;
   ContextPtr debug_ctx;
-  if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
+  if (C10_LIKELY(!history_.tracing())) {
     r = call();
   } else {
-    ContextPtr ctx = gather(When::STATE);
-    std::lock_guard<std::mutex> g(ds.trace_mu);
+    ContextPtr ctx = history_.gather(When::STATE);
+    std::lock_guard<std::mutex> g(ds.hist.mu);
     r = call();
     drain(ds, ctx, nullptr);
     if (r.status == 0 && r.ptr != 0 && ctx) {
-      ds.contexts[r.ptr] = ctx;
+      ds.hist.contexts[r.ptr] = ctx;
     }
     debug_ctx = std::move(ctx);
   }
 
-  if (C10_UNLIKELY(r.status == 1) && !in_pool && ds.n_routes.load(std::memory_order_acquire) == 0) {
+  if (C10_UNLIKELY(r.status == 1) && !in_pool && !ds.pools.routing()) {
     // The host tier may free memory (evictions whose copies complete, more evictions); not
     // while a graph may be capturing (it waits for the device).
     TierRelief relief = g_tier_relief.load(std::memory_order_acquire);
@@ -521,7 +366,7 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     // Debug mode (not during a capture: no work may be queued on a capturing stream, and no
     // event queried): fill the canary of the new block, check those of freed ones.
     if (C10_UNLIKELY(ds.debug != nullptr) && p != nullptr && !in_pool &&
-        ds.n_routes.load(std::memory_order_acquire) == 0) {
+        !ds.pools.routing()) {
       try {
         ffi::AllocationRecord a = c.allocation(r.ptr);
         if (a.found) {
@@ -562,11 +407,7 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
 }
 
 void Impl::raise_oom(int device, const ffi::AllocOutcome& r, size_t nbytes, cudaStream_t stream) {
-  std::vector<OomObserver> observers;
-  {
-    std::lock_guard<std::mutex> g(hist_mu_);
-    observers = oom_observers_;
-  }
+  const std::vector<OomObserver> observers = history_.oom_observers();
   const uint64_t total = r.limit != 0 ? r.limit : r.device_total;
   for (const auto& obs : observers) {
     obs(device, static_cast<size_t>(r.allocated), static_cast<size_t>(total),
@@ -655,16 +496,16 @@ void Impl::free(void* ptr) noexcept {
       }
     }
     std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
-    if (C10_UNLIKELY(ds.n_routes.load(std::memory_order_acquire) > 0)) {
+    if (C10_UNLIKELY(ds.pools.routing())) {
       relaxed.emplace(cudaStreamCaptureModeRelaxed);
       // A block used on other streams, freed during a capture: held until the graph orders
       // those uses before later work (graph_capture_record_stream_reuse), as PyTorch's.
-      if (torch_capture_reuse() && defer_free_in_capture(ds, c, p)) {
+      if (torch_capture_reuse() && ds.pools.defer_free(c, p)) {
         compat::trace_gpu_free(ptr);
         return;
       }
     }
-    const bool debug = C10_UNLIKELY(ds.debug != nullptr) && ds.n_routes.load(std::memory_order_acquire) == 0;
+    const bool debug = C10_UNLIKELY(ds.debug != nullptr) && !ds.pools.routing();
     if (debug) {
       // The canary copy and the poison are queued on the block's stream before the core
       // frees it (and may hand it out again).
@@ -672,14 +513,14 @@ void Impl::free(void* ptr) noexcept {
       ds.debug->on_free(p);
     }
     ffi::FreeOutcome r;
-    if (C10_LIKELY(!tracing_.load(std::memory_order_relaxed))) {
+    if (C10_LIKELY(!history_.tracing())) {
       r = c.free_ptr(p);
     } else {
-      ContextPtr ctx = gather(When::ALL);
-      std::lock_guard<std::mutex> g(ds.trace_mu);
+      ContextPtr ctx = history_.gather(When::ALL);
+      std::lock_guard<std::mutex> g(ds.hist.mu);
       r = c.free_ptr(p);
       drain(ds, nullptr, ctx);
-      ds.contexts.erase(p);
+      ds.hist.contexts.erase(p);
     }
     if (debug) {
       debug_poll(ds, false);
@@ -793,16 +634,16 @@ void Impl::empty_cache(PoolId /*pool*/) {
     if (c == nullptr) {
       // PyTorch's allocator synchronizes every initialized device here (num_sync_all_streams),
       // whether it allocated on it or not.
-      if (devices_[d] && devices_[d]->n_routes.load() == 0) {
+      if (devices_[d] && !devices_[d]->pools.routing()) {
         devices_[d]->syncs_without_core.fetch_add(1);
       }
       continue;
     }
     DeviceState& ds = *devices_[d];
     try {
-      if (tracing_.load()) {
-        ContextPtr ctx = gather(When::ALLOC);
-        std::lock_guard<std::mutex> g(ds.trace_mu);
+      if (history_.tracing()) {
+        ContextPtr ctx = history_.gather(When::ALLOC);
+        std::lock_guard<std::mutex> g(ds.hist.mu);
         c->empty_cache();
         drain(ds, ctx, nullptr);
       } else {
@@ -977,13 +818,7 @@ void Impl::debug_poll(DeviceState& ds, bool wait) noexcept {
   }
   try {
     ffi::Gmlake* c = ds.core.load(std::memory_order_acquire);
-    bool keep = false;
-    size_t cap = 0;
-    {
-      std::lock_guard<std::mutex> g(hist_mu_);
-      keep = record_history_;
-      cap = max_entries_;
-    }
+    const auto [keep, cap] = history_.keep();
     for (auto& r : found) {
       std::fprintf(stderr, "[gmlake] debug mode: %s\n", r.message.c_str());
       std::fflush(stderr);
@@ -996,8 +831,8 @@ void Impl::debug_poll(DeviceState& ds, bool wait) noexcept {
       // The allocation's stack goes into the history as a "snapshot" entry at the block's
       // address, which torch symbolizes; gmlake.debug_report() takes its frames from there.
       if (keep && cap > 0 && r.context) {
-        std::lock_guard<std::mutex> g(ds.trace_mu);
-        ds.trace.push_back(TraceRec{
+        std::lock_guard<std::mutex> g(ds.hist.mu);
+        History::keep_capped(ds.hist, TraceRec{
             Action::SNAPSHOT,
             ds.index,
             r.address,
@@ -1007,10 +842,7 @@ void Impl::debug_poll(DeviceState& ds, bool wait) noexcept {
             c10::getApproximateTime(),
             r.context,
             std::string(),
-            std::string()});
-        while (ds.trace.size() > cap) {
-          ds.trace.pop_front();
-        }
+            std::string()}, cap);
       }
       std::lock_guard<std::mutex> g(debug_mu_);
       r.id = debug_reports_.size() + 1;
@@ -1085,7 +917,7 @@ SnapshotData Impl::snapshot(PoolId pool, bool include_traces) {
     } catch (const rust::Error& e) {
       TORCH_CHECK(false, "gmlake: snapshot of device ", d, " failed: ", e.what());
     }
-    std::lock_guard<std::mutex> g(ds.trace_mu);
+    std::lock_guard<std::mutex> g(ds.hist.mu);
     for (const auto& seg : snap.segments) {
       if (filter && (seg.pool_first != pool.first || seg.pool_second != pool.second)) {
         continue;
@@ -1127,8 +959,8 @@ SnapshotData Impl::snapshot(PoolId pool, bool include_traces) {
         br.active = b->state != 2;
         br.stitched = b->stitched;
         if (br.allocated) {
-          auto it = ds.contexts.find(b->address);
-          if (it != ds.contexts.end()) {
+          auto it = ds.hist.contexts.find(b->address);
+          if (it != ds.hist.contexts.end()) {
             br.context = it->second;
           }
         }
@@ -1143,8 +975,8 @@ SnapshotData Impl::snapshot(PoolId pool, bool include_traces) {
       out.segments.push_back(std::move(s));
     }
     if (include_traces) {
-      out.traces[static_cast<size_t>(d)].assign(ds.trace.begin(), ds.trace.end());
-      out.annotations.insert(out.annotations.end(), ds.annotations.begin(), ds.annotations.end());
+      out.traces[static_cast<size_t>(d)].assign(ds.hist.trace.begin(), ds.hist.trace.end());
+      out.annotations.insert(out.annotations.end(), ds.hist.annotations.begin(), ds.hist.annotations.end());
     }
   }
   out.settings = settings_string();
@@ -1156,40 +988,12 @@ SnapshotData Impl::snapshot(PoolId pool, bool include_traces) {
 
 void Impl::begin_allocate_to_pool(int device, PoolId pool, StreamFilter filter) {
   const ffi::Gmlake& c = core(device);
-  DeviceState& ds = *devices_[device];
-  std::lock_guard<std::mutex> g(ds.pool_mu);
-  for (const auto& r : ds.routes) {
-    TORCH_CHECK(r.first != pool, "beginAllocateToPool: already recording to mempool_id");
-  }
-  try {
-    c.begin_capture(pool.first, pool.second);
-  } catch (const rust::Error& e) {
-    TORCH_CHECK(false, "gmlake: beginAllocateToPool: ", e.what());
-  }
-  ds.pool_use[pool] += 1;
-  ds.routes.emplace_back(pool, std::move(filter));
-  ds.n_routes.store(static_cast<int>(ds.routes.size()), std::memory_order_release);
+  devices_[device]->pools.begin(c, pool, std::move(filter));
 }
 
 void Impl::end_allocate_to_pool(int device, PoolId pool) {
   const ffi::Gmlake& c = core(device);
-  DeviceState& ds = *devices_[device];
-  std::lock_guard<std::mutex> g(ds.pool_mu);
-  auto it = std::find_if(ds.routes.begin(), ds.routes.end(), [&](const auto& r) { return r.first == pool; });
-  TORCH_CHECK(it != ds.routes.end(), "endAllocateToPool: not currently recording to mempool_id");
-  ds.routes.erase(it);
-  ds.n_routes.store(static_cast<int>(ds.routes.size()), std::memory_order_release);
-  if (ds.routes.empty()) {
-    ds.visited.clear();
-  }
-  if (ds.n_deferred.load() > 0) {
-    flush_deferred_frees(ds, c);
-  }
-  try {
-    c.end_capture(pool.first, pool.second);
-  } catch (const rust::Error& e) {
-    TORCH_CHECK(false, "gmlake: endAllocateToPool: ", e.what());
-  }
+  devices_[device]->pools.end(c, pool, log_);
 }
 
 void Impl::release_pool(int device, PoolId pool) noexcept {
@@ -1199,17 +1003,7 @@ void Impl::release_pool(int device, PoolId pool) noexcept {
     if (c == nullptr) {
       return;
     }
-    DeviceState& ds = *devices_[device];
-    std::lock_guard<std::mutex> g(ds.pool_mu);
-    auto it = ds.pool_use.find(pool);
-    if (it == ds.pool_use.end() || it->second <= 0) {
-      log_once("release-unknown-pool", "releasePool on a pool gmlake does not know: ignored");
-      return;
-    }
-    if (--it->second == 0) {
-      ds.pool_use.erase(it);
-      c->release_pool(pool.first, pool.second);
-    }
+    devices_[device]->pools.release(*c, pool, log_);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[gmlake] releasePool failed: %s\n", e.what());
   }
@@ -1217,145 +1011,19 @@ void Impl::release_pool(int device, PoolId pool) noexcept {
 
 void Impl::create_or_incref_pool(int device, PoolId pool) {
   core(device);
-  DeviceState& ds = *devices_[device];
-  std::lock_guard<std::mutex> g(ds.pool_mu);
-  ds.pool_use[pool] += 1;
+  devices_[device]->pools.incref(pool);
 }
 
 void Impl::set_no_split(int device, PoolId pool) {
   core(device);
-  DeviceState& ds = *devices_[device];
-  std::lock_guard<std::mutex> g(ds.pool_mu);
-  ds.no_split.insert(pool);
-  ds.n_no_split.store(static_cast<int>(ds.no_split.size()), std::memory_order_release);
-}
-
-bool Impl::defer_free_in_capture(DeviceState& ds, const ffi::Gmlake& c, uint64_t ptr) {
-#if GMLAKE_TORCH_VERSION_NUM >= 211
-  rust::Vec<uint64_t> uses = c.stream_uses(ptr);
-  if (uses.empty()) {
-    return false;
-  }
-  ffi::AllocationRecord a = c.allocation(ptr);
-  if (!a.found || a.ptr != ptr) {
-    return false;
-  }
-  // The free markers: the nodes each stream that used the block has reached now. Any stream
-  // not capturing (or in another graph): the free waits for events after the capture.
-  const cudaStream_t own = reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(a.stream));
-  std::unordered_set<void*> markers;
-  cudaGraph_t graph = nullptr;
-  auto add = [&](cudaStream_t s) {
-    CaptureState cs = capture_state(s);
-    if (!cs.active || (graph != nullptr && cs.graph != graph)) {
-      return false;
-    }
-    graph = cs.graph;
-    for (size_t i = 0; i < cs.n; ++i) {
-      markers.insert(static_cast<void*>(cs.terminals[i]));
-    }
-    return true;
-  };
-  if (!add(own)) {
-    return false;
-  }
-  for (uint64_t u : uses) {
-    if (!add(reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(u)))) {
-      return false;
-    }
-  }
-  std::lock_guard<std::mutex> g(ds.pool_mu);
-  ds.deferred[ptr] = DeviceState::DeferredFree{own, std::vector<void*>(markers.begin(), markers.end())};
-  ds.n_deferred.store(static_cast<int>(ds.deferred.size()), std::memory_order_release);
-  return true;
-#else
-  (void)ds;
-  (void)c;
-  (void)ptr;
-  return false;
-#endif
-}
-
-void Impl::free_safe_blocks_in_capture(DeviceState& ds, const ffi::Gmlake& c, cudaStream_t stream) {
-#if GMLAKE_TORCH_VERSION_NUM >= 211
-  CaptureState cs = capture_state(stream);
-  if (!cs.active || cs.n == 0) {
-    return;
-  }
-  std::vector<uint64_t> ready;
-  {
-    std::lock_guard<std::mutex> g(ds.pool_mu);
-    // Every node the stream's terminals depend on (kept per capture and stream: the graph
-    // only grows, so nodes found before stay ancestors).
-    auto& visited = ds.visited[cs.id][stream];
-    std::vector<cudaGraphNode_t> todo(cs.terminals, cs.terminals + cs.n);
-    while (!todo.empty()) {
-      cudaGraphNode_t v = todo.back();
-      todo.pop_back();
-      if (!visited.insert(static_cast<void*>(v)).second) {
-        continue;
-      }
-      for (cudaGraphNode_t p : graph_parents(v)) {
-        todo.push_back(p);
-      }
-    }
-    for (auto it = ds.deferred.begin(); it != ds.deferred.end();) {
-      const auto& d = it->second;
-      bool ok = d.stream == stream && !d.markers.empty();
-      for (size_t i = 0; ok && i < d.markers.size(); ++i) {
-        ok = visited.count(d.markers[i]) != 0;
-      }
-      if (ok) {
-        ready.push_back(it->first);
-        it = ds.deferred.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    ds.n_deferred.store(static_cast<int>(ds.deferred.size()), std::memory_order_release);
-  }
-  // Every use is ordered before the stream's next work: free as a block of that stream only
-  // (driver work, if any, in relaxed capture mode, as every allocator call during a capture).
-  c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-  for (uint64_t p : ready) {
-    ffi::FreeOutcome r = c.clear_stream_uses(p);
-    if (r.status == 0) {
-      r = c.free_ptr(p);
-    }
-    if (r.status != 0) {
-      log_once("capture-reuse", "gmlake: freeing a block held during capture failed: " + std::string(r.message));
-    }
-  }
-#else
-  (void)ds;
-  (void)c;
-  (void)stream;
-#endif
-}
-
-void Impl::flush_deferred_frees(DeviceState& ds, const ffi::Gmlake& c) {
-  // Caller holds ds.pool_mu. The blocks still held are freed with their stream uses: the
-  // core waits for events on those streams, recorded once no capture is underway.
-  std::optional<c10::cuda::CUDAStreamCaptureModeGuard> relaxed;
-  relaxed.emplace(cudaStreamCaptureModeRelaxed);
-  for (const auto& kv : ds.deferred) {
-    ffi::FreeOutcome r = c.free_ptr(kv.first);
-    if (r.status != 0) {
-      log_once("capture-reuse", "gmlake: freeing a block held during capture failed: " + std::string(r.message));
-    }
-  }
-  ds.deferred.clear();
-  ds.n_deferred.store(0, std::memory_order_release);
+  devices_[device]->pools.set_no_split(pool);
 }
 
 int Impl::pool_use_count(int device, PoolId pool) {
   if (core_if_created(device) == nullptr) {
     return 0;
   }
-  DeviceState& ds = *devices_[device];
-  std::lock_guard<std::mutex> g(ds.pool_mu);
-  auto it = ds.pool_use.find(pool);
-  return it == ds.pool_use.end() ? 0 : it->second;
+  return devices_[device]->pools.use_count(pool);
 }
 
 std::vector<Impl::PoolBlock> Impl::live_blocks_in_pool(int device, PoolId pool) {
@@ -1430,8 +1098,8 @@ std::vector<void*> Impl::restore_pool_checkpoint(
   }
   for (const PoolBlock* b : missing) {
     try {
-      if (tracing_.load()) {
-        std::lock_guard<std::mutex> g(ds.trace_mu);
+      if (history_.tracing()) {
+        std::lock_guard<std::mutex> g(ds.hist.mu);
         c.allocate_at(b->address, b->size, b->requested, b->stream, pool.first, pool.second);
         drain(ds, nullptr, nullptr);
       } else {
@@ -1462,27 +1130,17 @@ void Impl::record_history(
     When when,
     bool clear,
     const std::vector<Action>& skip) {
-  TORCH_CHECK(when == When::NEVER || recorder != nullptr, "gmlake: recordHistory needs a context recorder");
-  {
-    std::lock_guard<std::mutex> g(hist_mu_);
-    record_history_ = enabled;
-    recorder_ = enabled ? recorder : nullptr;
-    max_entries_ = max_entries;
-    when_ = enabled ? when : When::NEVER;
-    skip_.fill(false);
-    for (Action a : skip) {
-      skip_[static_cast<size_t>(a)] = true;
-    }
-  }
+  history_.configure(enabled, recorder, max_entries, when, skip);
   if (!enabled || clear) {
     const int n = device_count_.load();
     for (int d = 0; d < n; ++d) {
       if (devices_[d]) {
-        std::lock_guard<std::mutex> g(devices_[d]->trace_mu);
-        devices_[d]->trace.clear();
-        devices_[d]->annotations.clear();
+        DeviceHistory& dh = devices_[d]->hist;
+        std::lock_guard<std::mutex> g(dh.mu);
+        dh.trace.clear();
+        dh.annotations.clear();
         if (!enabled) {
-          devices_[d]->contexts.clear();
+          dh.contexts.clear();
         }
       }
     }
@@ -1491,66 +1149,43 @@ void Impl::record_history(
 }
 
 bool Impl::history_enabled() {
-  std::lock_guard<std::mutex> g(hist_mu_);
-  return record_history_;
+  return history_.enabled();
 }
 
 void Impl::record_annotation(std::vector<std::pair<std::string, std::string>> md) {
-  size_t cap;
-  {
-    std::lock_guard<std::mutex> g(hist_mu_);
-    if (!record_history_) {
-      return;
-    }
-    cap = max_entries_;
+  if (!history_.enabled()) {
+    return;
   }
   c10::DeviceIndex device = 0;
   C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
   if (device < 0 || device >= device_count_.load() || !devices_[device]) {
     return;
   }
-  DeviceState& ds = *devices_[device];
-  std::lock_guard<std::mutex> g(ds.trace_mu);
-  ds.annotations.push_back(AnnotationRec{device, c10::getApproximateTime(), std::move(md)});
-  while (ds.annotations.size() > std::max<size_t>(cap, 1)) {
-    ds.annotations.pop_front();
-  }
+  history_.annotate(devices_[device]->hist, device, std::move(md));
 }
 
 void Impl::push_compile_context(std::string ctx) {
-  std::lock_guard<std::mutex> g(hist_mu_);
-  if (record_history_) {
-    compile_stack_.push_back(std::move(ctx));
-  }
+  history_.push_compile_context(std::move(ctx));
 }
 
 void Impl::pop_compile_context() {
-  std::lock_guard<std::mutex> g(hist_mu_);
-  if (!compile_stack_.empty()) {
-    compile_stack_.pop_back();
-  }
+  history_.pop_compile_context();
 }
 
 void Impl::set_user_metadata(std::string md) {
-  std::lock_guard<std::mutex> g(hist_mu_);
-  user_metadata_ = std::move(md);
+  history_.set_user_metadata(std::move(md));
 }
 
 std::string Impl::user_metadata() {
-  std::lock_guard<std::mutex> g(hist_mu_);
-  return user_metadata_;
+  return history_.user_metadata();
 }
 
 void Impl::attach_oom_observer(OomObserver obs) {
-  std::lock_guard<std::mutex> g(hist_mu_);
-  oom_observers_.push_back(std::move(obs));
+  history_.attach_oom_observer(std::move(obs));
 }
 
 void Impl::attach_trace_tracker(TraceTracker tracker) {
-  {
-    std::lock_guard<std::mutex> g(hist_mu_);
-    trackers_.push_back(std::move(tracker));
-  }
+  history_.attach_trace_tracker(std::move(tracker));
   refresh_tracing();
 }
 
@@ -1572,30 +1207,6 @@ std::pair<int64_t, std::string> Impl::share_ipc(void* ptr) {
   }
 }
 
-std::shared_ptr<void> Impl::ipc_cached(
-    const std::string& key,
-    const std::function<std::shared_ptr<void>()>& open) {
-  std::lock_guard<std::mutex> g(ipc_mu_);
-  auto it = ipc_open_.find(key);
-  if (it != ipc_open_.end()) {
-    if (auto sp = it->second.lock()) {
-      return sp;
-    }
-  }
-  std::shared_ptr<void> sp = open();
-  ipc_open_[key] = sp;
-  return sp;
-}
-
-void Impl::ipc_forget(const std::string& key) {
-  std::lock_guard<std::mutex> g(ipc_mu_);
-  auto it = ipc_open_.find(key);
-  // A new opening of the same handle may have replaced the entry meanwhile: keep that one.
-  if (it != ipc_open_.end() && it->second.expired()) {
-    ipc_open_.erase(it);
-  }
-}
-
 std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
   const rust::Slice<const uint8_t> bytes(
       reinterpret_cast<const uint8_t*>(handle.data()), handle.size());
@@ -1611,7 +1222,7 @@ std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
   c10::DeviceIndex device = 0;
   C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
   const int d = device;
-  return ipc_cached(handle, [&]() -> std::shared_ptr<void> {
+  return ipc_.cached(handle, [&]() -> std::shared_ptr<void> {
     uint64_t base = 0;
     try {
       base = core(d).open_ipc(bytes);
@@ -1619,7 +1230,7 @@ std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
       TORCH_CHECK(false, "gmlake: getIpcDevPtr on device ", d, ": ", e.what());
     }
     return std::shared_ptr<void>(reinterpret_cast<void*>(base), [this, d, handle](void* p) {
-      ipc_forget(handle);
+      ipc_.forget(handle);
       try {
         core(d).close_ipc(reinterpret_cast<uint64_t>(p));
       } catch (const std::exception& e) {
@@ -1630,29 +1241,7 @@ std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
 }
 
 std::shared_ptr<void> Impl::open_cuda_ipc_handle(const std::string& raw) {
-  TORCH_CHECK(
-      raw.size() == sizeof(cudaIpcMemHandle_t),
-      "gmlake: getIpcDevPtr: a cudaMalloc IPC handle has ", sizeof(cudaIpcMemHandle_t),
-      " bytes, got ", raw.size());
-  c10::DeviceIndex device = 0;
-  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-  const std::string key = std::string("c") + raw;
-  return ipc_cached(key, [&]() -> std::shared_ptr<void> {
-    cudaIpcMemHandle_t h;
-    std::memcpy(&h, raw.data(), sizeof h);
-    void* p = nullptr;
-    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
-    return std::shared_ptr<void>(p, [this, device, key](void* q) {
-      ipc_forget(key);
-      c10::cuda::CUDAGuard guard(device);
-      cudaError_t err = cudaIpcCloseMemHandle(q);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        log_once("cudaIpcCloseMemHandle", std::string("gmlake: cudaIpcCloseMemHandle failed: ") +
-                     cudaGetErrorString(err));
-      }
-    });
-  });
+  return ipc_.open_cuda(raw, log_);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 // gmlake's allocator for PyTorch, independent of the torch minor version.
 //
-// `gmlake::Impl` holds everything: one Rust allocator per device (created lazily, through the
-// cxx bridge of rust/gmlake-ffi), CUDA graph pool routing, history recording (TraceEntry-like
-// records with the context the recorder gathered), OOM observers and trace trackers. It speaks
+// `gmlake::Impl` holds one Rust allocator per device (created lazily, through the cxx bridge of
+// rust/gmlake-ffi) and delegates to its units: CUDA graph pool routing (pool_routing.h),
+// history recording with OOM observers and trace trackers (history.h: TraceEntry-like records
+// with the context the recorder gathered), open CUDA IPC handles (ipc_cache.h). It speaks
 // in types that have not changed across torch 2.x (DataPtr, cudaStream_t, GatheredContext,
 // c10::Error). The subclass of CUDAAllocator that torch calls is in version_compat.h: a thin
 // adapter from each torch version's interface to this class.
@@ -30,86 +31,13 @@
 #include "rust/cxx.h"
 #include "gmlake-ffi/src/lib.rs.h"
 #include "gmlake_debug.h"
+#include "gmlake_types.h"
+#include "history.h"
+#include "ipc_cache.h"
+#include "once_log.h"
+#include "pool_routing.h"
 
 namespace gmlake {
-
-// (first, second) as PyTorch's MempoolId_t; (0, 0) is the default pool.
-using PoolId = std::pair<unsigned long long, unsigned long long>;
-using ContextPtr = std::shared_ptr<c10::GatheredContext>;
-using ContextRecorder = std::shared_ptr<c10::GatheredContext> (*)();
-
-// PyTorch's TraceEntry::Action values (stable since 2.0).
-enum class Action : uint8_t {
-  ALLOC = 0,
-  FREE_REQUESTED = 1,
-  FREE_COMPLETED = 2,
-  SEGMENT_ALLOC = 3,
-  SEGMENT_FREE = 4,
-  SEGMENT_MAP = 5,
-  SEGMENT_UNMAP = 6,
-  SNAPSHOT = 7,
-  OOM = 8,
-};
-
-// When contexts are gathered, as PyTorch's RecordContext.
-enum class When : int { NEVER = 0, STATE = 1, ALLOC = 2, ALL = 3 };
-
-struct TraceRec {
-  Action action;
-  int device;
-  uint64_t addr; // for OOM: the device's free bytes
-  uint64_t size;
-  void* stream;
-  PoolId pool;
-  c10::approx_time_t time;
-  ContextPtr context;
-  std::string compile_context;
-  std::string user_metadata;
-};
-
-struct AnnotationRec {
-  int device;
-  c10::approx_time_t time;
-  std::vector<std::pair<std::string, std::string>> metadata;
-};
-
-struct BlockRec {
-  uint64_t size = 0;
-  uint64_t requested_size = 0;
-  bool allocated = false;
-  bool active = false;
-  bool stitched = false;
-  ContextPtr context;
-};
-
-struct SegmentRec {
-  int device = 0;
-  uint64_t address = 0;
-  uint64_t total_size = 0;
-  uint64_t requested_size = 0;
-  uint64_t allocated_size = 0;
-  uint64_t active_size = 0;
-  void* stream = nullptr;
-  bool is_large = false;
-  bool stitched = false;
-  PoolId pool{0, 0};
-  // Contiguous from `address`, covering the segment (PyTorch derives block addresses by
-  // adding sizes).
-  std::vector<BlockRec> blocks;
-};
-
-struct SnapshotData {
-  std::vector<SegmentRec> segments;
-  // One list per device, indexed by device.
-  std::vector<std::vector<TraceRec>> traces;
-  std::vector<AnnotationRec> annotations;
-  // gmlake's effective configuration as key:value pairs ("backend:gmlake,...").
-  std::string settings;
-};
-
-using OomObserver = std::function<void(int64_t device, size_t allocated, size_t total, size_t free)>;
-using TraceTracker = std::function<void(const TraceRec&)>;
-using StreamFilter = std::function<bool(cudaStream_t)>;
 
 // The deleter of every DataPtr gmlake hands out (raw_deleter()).
 void local_raw_delete(void* ptr);
@@ -262,35 +190,16 @@ class Impl {
   struct DeviceState {
     int index = 0;
     std::atomic<ffi::Gmlake*> core{nullptr};
-    // Pool routing and pool use counts.
-    std::mutex pool_mu;
-    std::atomic<int> n_routes{0};
-    std::vector<std::pair<PoolId, StreamFilter>> routes;
-    std::map<PoolId, int> pool_use;
-    std::set<PoolId> no_split;
-    std::atomic<int> n_no_split{0};
+    // CUDA graph pools: routing, use counts, frees held during a capture (pool_routing.h).
+    DevicePools pools;
     // The core's page size (0 until the core exists).
     std::atomic<uint64_t> page_size{0};
     // empty_cache calls that found no core on this device: PyTorch's allocator synchronizes
     // every initialized device on each (num_sync_all_streams), used or not.
     std::atomic<int64_t> syncs_without_core{0};
-    // Frees of record_stream'ed blocks during a capture, held until the graph proves that
-    // every recorded use precedes later work of the block's stream (PyTorch's
-    // graph_capture_record_stream_reuse): ptr -> (stream, free markers). Guarded by pool_mu.
-    struct DeferredFree {
-      cudaStream_t stream;
-      std::vector<void*> markers;
-    };
-    std::map<uint64_t, DeferredFree> deferred;
-    std::atomic<int> n_deferred{0};
-    // Graph nodes known to precede the terminals of each capturing stream (by capture id).
-    std::map<unsigned long long, std::map<cudaStream_t, std::unordered_set<void*>>> visited;
-    // History (guarded by trace_mu; traced operations are serialised by it, so the events
-    // the core records are attributed to the call that made them).
-    std::mutex trace_mu;
-    std::deque<TraceRec> trace;
-    std::deque<AnnotationRec> annotations;
-    std::unordered_map<uint64_t, ContextPtr> contexts;
+    // History (history.h; traced operations are serialised by hist.mu, so the events the core
+    // records are attributed to the call that made them).
+    DeviceHistory hist;
     // Debug mode: set with the core when the mode is on (before `core` is published).
     std::unique_ptr<DebugDevice> debug;
   };
@@ -301,17 +210,14 @@ class Impl {
   // The device whose allocator owns `ptr`, or -1.
   int owner_of(const void* ptr);
   void* malloc_on(int device, size_t nbytes, cudaStream_t stream);
-  // Graph-capture reuse of record_stream'ed blocks (see DeviceState::deferred).
-  bool defer_free_in_capture(DeviceState& ds, const ffi::Gmlake& c, uint64_t ptr);
-  void free_safe_blocks_in_capture(DeviceState& ds, const ffi::Gmlake& c, cudaStream_t stream);
-  void flush_deferred_frees(DeviceState& ds, const ffi::Gmlake& c);
   [[noreturn]] void raise_oom(int device, const ffi::AllocOutcome& r, size_t nbytes, cudaStream_t stream);
   void refresh_tracing();
-  ContextPtr gather(When needed);
-  // Moves the core's recorded events into the history, attaching `ctx` per `when`.
+  // Moves the core's recorded events into the history, attaching the contexts per the
+  // settings (caller holds ds.hist.mu).
   void drain(DeviceState& ds, const ContextPtr& alloc_ctx, const ContextPtr& free_ctx);
-  void push_trace(DeviceState& ds, TraceRec rec);
-  void log_once(const char* key, const std::string& msg) noexcept;
+  void log_once(const char* key, const std::string& msg) noexcept {
+    log_(key, msg);
+  }
   // Debug mode: checks completed canary copies of a device and files their reports.
   void debug_poll(DeviceState& ds, bool wait) noexcept;
 
@@ -325,30 +231,9 @@ class Impl {
   std::atomic<int> created_{0};
   std::atomic<bool> enabled_{true};
 
-  // History settings (guarded by hist_mu_; tracing_ mirrors "anything to record").
-  std::atomic<bool> tracing_{false};
-  std::mutex hist_mu_;
-  bool record_history_ = false;
-  ContextRecorder recorder_ = nullptr;
-  size_t max_entries_ = 0;
-  When when_ = When::NEVER;
-  std::array<bool, 9> skip_{};
-  std::vector<TraceTracker> trackers_;
-  std::vector<std::string> compile_stack_;
-  std::string user_metadata_;
-  std::vector<OomObserver> oom_observers_;
-
-  std::mutex log_mu_;
-  std::map<std::string, int> logged_;
-
-  // Open IPC handles: handle bytes -> the pointer handed out (as PyTorch's
-  // ipcMemHandle_to_devptr). Entries whose pointer died are erased by its deleter.
-  std::mutex ipc_mu_;
-  std::map<std::string, std::weak_ptr<void>> ipc_open_;
-  std::shared_ptr<void> ipc_cached(const std::string& key,
-                                   const std::function<std::shared_ptr<void>()>& open);
-  // Called by a pointer's deleter: drops the entry of `key` unless it was opened again.
-  void ipc_forget(const std::string& key);
+  History history_;
+  OnceLog log_;
+  IpcCache ipc_;
 };
 
 } // namespace gmlake

@@ -81,20 +81,19 @@ if ! command -v cargo >/dev/null 2>&1; then
   source scripts/ensure-rust.sh
 fi
 GEN=Ninja; command -v ninja >/dev/null || GEN="Unix Makefiles"
+# shellcheck source=scripts/lib/wheels.sh
+source scripts/lib/wheels.sh
+# shellcheck source=scripts/lib/symbols.sh
+source scripts/lib/symbols.sh
 
 # ---- CUDA headers (runtime + crt from nvcc) and libcudart, from PyPI
 CUDA_ROOT="$ART/cuda-$CUDA_SERIES"
-if [ ! -f "$CUDA_ROOT/nvidia/cuda_runtime/include/cuda_runtime_api.h" ] \
-   || [ ! -f "$CUDA_ROOT/nvidia/cuda_nvcc/include/crt/host_config.h" ]; then
-  log "fetching nvidia-cuda-runtime-$CU==$CUDA_SERIES.* and the headers of nvidia-cuda-nvcc-$CU"
-  python3 scripts/wheel-extract.py "nvidia-cuda-runtime-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/*'
-  python3 scripts/wheel-extract.py "nvidia-cuda-nvcc-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/cuda_nvcc/include/*'
-fi
+wheels_cuda_headers "$CUDA_SERIES" "$CU" "$CUDA_ROOT"
 CUDA_INC="$CUDA_ROOT/nvidia/cuda_runtime/include;$CUDA_ROOT/nvidia/cuda_nvcc/include"
 if [ "$CU" = cu12 ]; then
   # c10/cuda/driver_api.h (2.1+) includes nvml.h (PyPI nvidia-nvml-dev).
   if [ ! -f "$CUDA_ROOT/nvidia/nvml_dev/include/nvml.h" ]; then
-    python3 scripts/wheel-extract.py "nvidia-nvml-dev-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/*/include/*'
+    wheels_fetch "nvidia-nvml-dev-$CU==$CUDA_SERIES.*" "$CUDA_ROOT" 'nvidia/*/include/*'
   fi
   CUDA_INC="$CUDA_INC;$CUDA_ROOT/nvidia/nvml_dev/include"
 fi
@@ -126,8 +125,8 @@ ntu=$(grep -cE '\[[0-9]+/[0-9]+\] Building CXX' "$BUILD_DIR.build.log" || true)
 note "build: c10 + c10_cuda in $((T1 - T0)) s ($ntu C++ files compiled this run, -j$JOBS): $LIB ($(du -h "$LIB" | cut -f1))"
 
 # ---- checks
-exports=$(nm -D --defined-only "$LIB" | c++filt)
-backend=$(echo "$exports" | grep -E 'CUDACachingAllocator::Gmlake::|gmlake_c10_backend|gmlake_c10_stats_json' | awk '{$1=""; $2=""; print}' | sed 's/^ *//' | sort)
+exports=$(symbols_exported "$LIB" | c++filt)
+backend=$(echo "$exports" | grep -E 'CUDACachingAllocator::Gmlake::|gmlake_c10_backend|gmlake_c10_stats_json' | sort)
 [ -n "$backend" ] || fail "libc10_cuda.so exports no gmlake backend"
 echo "$backend" | grep -q '^gmlake_c10_backend$' || fail "gmlake_c10_backend is not exported"
 echo "$backend" | grep -q '^gmlake_c10_stats_json$' || fail "gmlake_c10_stats_json is not exported"
@@ -136,8 +135,8 @@ leaked=$( (echo "$exports" | grep -Ei 'rust|cxxbridge|gmlake_core|gmlake_cuda|gm
 [ -z "$leaked" ] || { echo "$leaked" | head; fail "Rust / gmlake-internal symbols are exported"; }
 inside=$(nm "$LIB" 2>/dev/null | grep -c -E 'cxxbridge1|rust_eh_personality|gmlake_core' || true)
 [ "$inside" -gt 0 ] || fail "the Rust staticlib does not seem to be linked in (no cxxbridge/rust symbols in .symtab)"
-note "hidden: 0 exported symbols from the Rust staticlib ($inside of its symbols in the static symbol table); $(nm -D --defined-only "$LIB" | wc -l) exported symbols in all"
-needed=$(readelf -d "$LIB" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')
+note "hidden: 0 exported symbols from the Rust staticlib ($inside of its symbols in the static symbol table); $(symbols_exported "$LIB" | wc -l) exported symbols in all"
+needed=$(symbols_needed "$LIB")
 case " $needed " in *" libcuda.so"*) fail "libcuda is in NEEDED: $needed" ;; esac
 note "NEEDED: $needed(no libcuda)"
 undef=$(LD_LIBRARY_PATH="$BUILD_DIR/lib:$(dirname "$CUDART")" ldd -r "$LIB" 2>&1 | grep -E 'undefined symbol|not found' || true)
@@ -210,7 +209,7 @@ if [ "${NO_STAGE:-0}" != 1 ]; then
   cp "$BUILD_DIR/lib/libc10.so" "$BUILD_DIR/lib/libc10_cuda.so" "$CUDART" "$BUILD_DIR/gpu_test" "$STAGE.tmp/"
   # Libraries libc10 needs beyond the C/C++ runtime (Debian's libcpuinfo on 2.x).
   extra=()
-  for n in $(readelf -d "$BUILD_DIR/lib/libc10.so" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p'); do
+  for n in $(symbols_needed "$BUILD_DIR/lib/libc10.so"); do
     case "$n" in libc.so*|libm.so*|libdl.so*|librt.so*|libpthread.so*|libstdc++.so*|libgcc_s.so*|ld-linux*|libc10*|libcudart*) continue ;; esac
     path=$(ldd "$BUILD_DIR/lib/libc10.so" | awk -v n="$n" '$1 == n {print $3}')
     [ -f "$path" ] || fail "libc10.so needs $n, not found"

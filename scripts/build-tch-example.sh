@@ -48,6 +48,11 @@ done
 start=$SECONDS
 log() { printf '[build-tch-example %ss] %s\n' "$((SECONDS - start))" "$*"; }
 
+# shellcheck source=scripts/lib/wheels.sh
+source scripts/lib/wheels.sh
+# shellcheck source=scripts/lib/symbols.sh
+source scripts/lib/symbols.sh
+
 if ! command -v cargo >/dev/null 2>&1 && [ -f scripts/ensure-rust.sh ]; then
   # shellcheck source=scripts/ensure-rust.sh
   source scripts/ensure-rust.sh
@@ -57,29 +62,10 @@ fi
 LT_ROOT="$ART/libtorch-$TORCH_VERSION"
 LIBTORCH_DIR="$LT_ROOT/torch"
 if [ ! -f "$LT_ROOT/.complete" ]; then
-  mkdir -p "$ART/dl"
-  whl=$(ls "$ART"/dl/torch-"$TORCH_VERSION"-cp312-*manylinux*x86_64.whl 2>/dev/null | head -1 || true)
-  if [ -z "$whl" ]; then
-    log "downloading torch==$TORCH_VERSION (cp312, manylinux_2_28; ~530 MB, cached in $ART/dl)"
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$ART/dl" \
-      "torch==$TORCH_VERSION"
-    whl=$(ls "$ART"/dl/torch-"$TORCH_VERSION"-cp312-*manylinux*x86_64.whl | head -1)
-  fi
+  whl=$(wheels_torch_wheel "$ART/dl" "$TORCH_VERSION")
   log "unpacking torch/include, torch/lib, torch/version.py from $(basename "$whl")"
   rm -rf "$LT_ROOT.tmp"
-  mkdir -p "$LT_ROOT.tmp"
-  python3 - "$whl" "$LT_ROOT.tmp" <<'EOF'
-import sys, zipfile
-whl, dest = sys.argv[1], sys.argv[2]
-with zipfile.ZipFile(whl) as z:
-    for n in z.namelist():
-        if n.startswith("torch/include/") or n == "torch/version.py" or (
-            n.startswith("torch/lib/") and ".so" in n and "torch_python" not in n
-        ):
-            z.extract(n, dest)
-EOF
+  wheels_extract "$whl" "$LT_ROOT.tmp" 'torch/include/*' 'torch/version.py' 'torch/lib/*.so*' '!torch/lib/*torch_python*'
   touch "$LT_ROOT.tmp/.complete"
   rm -rf "$LT_ROOT" && mv "$LT_ROOT.tmp" "$LT_ROOT"
 fi
@@ -93,7 +79,7 @@ log "cargo build --release (examples/tch-train; torch-sys compiles libtorch's C 
 log "cargo fmt --check, cargo clippy -D warnings (examples/tch-train)"
 (cd examples/tch-train && cargo fmt -- --check && cargo clippy --release --locked -q -- -D warnings)
 BIN="$CARGO_TARGET_DIR/release/tch-train"
-needed=$(readelf -d "$BIN" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')
+needed=$(symbols_needed "$BIN")
 case " $needed " in
   *" libtorch_cuda.so "*) ;;
   *) echo "build-tch-example: $BIN does not link libtorch_cuda.so (needs: $needed)" >&2; exit 1 ;;
@@ -107,22 +93,9 @@ if [ "$SMOKE" = 1 ]; then
   SMOKE_LIBS="$ART/tch-smoke-libs"
   if [ ! -f "$SMOKE_LIBS/libcupti.so.13" ] || [ ! -f "$SMOKE_LIBS/libcudart.so.13" ]; then
     log "downloading nvidia-cuda-runtime and nvidia-cuda-cupti 13.0 (libcudart, libcupti: 12 MB)"
-    plats=()
-    for n in 17 24 25 27 28; do plats+=(--platform "manylinux_2_${n}_x86_64"); done
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-      --implementation cp "${plats[@]}" --platform manylinux2014_x86_64 -d "$ART/dl" \
-      "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cupti==13.0.*"
-    mkdir -p "$SMOKE_LIBS"
-    python3 - "$SMOKE_LIBS" "$ART"/dl/nvidia_cuda_runtime-13.0.*.whl "$ART"/dl/nvidia_cuda_cupti-13.0.*.whl <<'EOF'
-import os, sys, zipfile
-dest, wheels = sys.argv[1], sys.argv[2:]
-for w in wheels:
-    with zipfile.ZipFile(w) as z:
-        for n in z.namelist():
-            if os.path.basename(n) in ("libcudart.so.13", "libcupti.so.13"):
-                with open(os.path.join(dest, os.path.basename(n)), "wb") as f:
-                    f.write(z.read(n))
-EOF
+    wheels_pip_download "$ART/dl" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cupti==13.0.*"
+    wheels_extract_files "$SMOKE_LIBS" libcudart.so.13 libcupti.so.13 -- \
+      "$ART"/dl/nvidia_cuda_runtime-13.0.*.whl "$ART"/dl/nvidia_cuda_cupti-13.0.*.whl
   fi
   log "smoke test: tch-train built with no-cuda-link, 3 steps of a tiny model on the CPU"
   (cd examples/tch-train && cargo build --release --locked -q --features no-cuda-link)

@@ -49,31 +49,10 @@ if ! command -v cargo >/dev/null 2>&1 && [ -f scripts/ensure-rust.sh ]; then
   # shellcheck source=scripts/ensure-rust.sh
   source scripts/ensure-rust.sh
 fi
-command -v unzip >/dev/null 2>&1 || UNZIP_PY=1
-
-# Extracts members matching the patterns from a wheel (a zip) into a folder.
-extract() { # wheel dest pattern...
-  local whl="$1" dest="$2"; shift 2
-  mkdir -p "$dest"
-  if [ -z "${UNZIP_PY:-}" ]; then
-    unzip -q -o "$whl" "$@" -d "$dest"
-  else
-    python3 - "$whl" "$dest" "$@" <<'EOF'
-import fnmatch, sys, zipfile
-whl, dest, pats = sys.argv[1], sys.argv[2], sys.argv[3:]
-with zipfile.ZipFile(whl) as z:
-    for n in z.namelist():
-        if any(fnmatch.fnmatch(n, p) for p in pats):
-            z.extract(n, dest)
-EOF
-  fi
-}
-
-pip_download() { # requirement...
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$ART/dl" "$@"
-}
+# shellcheck source=scripts/lib/wheels.sh
+source scripts/lib/wheels.sh
+# shellcheck source=scripts/lib/symbols.sh
+source scripts/lib/symbols.sh
 
 mkdir -p "$ART/dl"
 
@@ -82,15 +61,10 @@ TORCH_ROOT="$ART/torch-$TORCH_VERSION"
 TORCH_DIR="$TORCH_ROOT/torch"
 if [ ! -f "$TORCH_DIR/include/c10/cuda/CUDACachingAllocator.h" ] || [ ! -f "$TORCH_DIR/lib/libc10_cuda.so" ] \
    || [ ! -f "$TORCH_DIR/version.py" ]; then
-  whl=$(ls "$ART"/dl/torch-"$TORCH_VERSION"-cp312-*manylinux*x86_64.whl 2>/dev/null | head -1 || true)
-  if [ -z "$whl" ]; then
-    log "downloading torch==$TORCH_VERSION (cp312, manylinux_2_28; ~530 MB, cached in $ART/dl)"
-    pip_download "torch==$TORCH_VERSION"
-    whl=$(ls "$ART"/dl/torch-"$TORCH_VERSION"-cp312-*manylinux*x86_64.whl | head -1)
-  fi
+  whl=$(wheels_torch_wheel "$ART/dl" "$TORCH_VERSION")
   log "unpacking torch/include, torch/lib/libc10*.so, torch/version.py from $(basename "$whl")"
   rm -rf "$TORCH_ROOT.tmp"
-  extract "$whl" "$TORCH_ROOT.tmp" 'torch/include/*' 'torch/lib/libc10.so' 'torch/lib/libc10_cuda.so' 'torch/version.py'
+  wheels_extract "$whl" "$TORCH_ROOT.tmp" 'torch/include/*' 'torch/lib/libc10.so' 'torch/lib/libc10_cuda.so' 'torch/version.py'
   rm -rf "$TORCH_ROOT" && mv "$TORCH_ROOT.tmp" "$TORCH_ROOT"
 fi
 
@@ -99,10 +73,10 @@ CUDA_ROOT="$ART/cuda-$CUDA_SERIES"
 CUDA_DIR="$CUDA_ROOT/nvidia/cu$CUDA_MAJOR"
 if [ ! -f "$CUDA_DIR/include/cuda_runtime_api.h" ] || [ ! -f "$CUDA_DIR/include/crt/host_config.h" ]; then
   log "downloading nvidia-cuda-runtime==$CUDA_SERIES.* and nvidia-cuda-crt==$CUDA_SERIES.*"
-  pip_download "nvidia-cuda-runtime==$CUDA_SERIES.*" "nvidia-cuda-crt==$CUDA_SERIES.*"
+  wheels_pip_download "$ART/dl" "nvidia-cuda-runtime==$CUDA_SERIES.*" "nvidia-cuda-crt==$CUDA_SERIES.*"
   rm -rf "$CUDA_ROOT.tmp"
   for w in "$ART"/dl/nvidia_cuda_runtime-"$CUDA_SERIES".*.whl "$ART"/dl/nvidia_cuda_crt-"$CUDA_SERIES".*.whl; do
-    extract "$w" "$CUDA_ROOT.tmp" 'nvidia/*'
+    wheels_extract "$w" "$CUDA_ROOT.tmp" 'nvidia/*'
   done
   rm -rf "$CUDA_ROOT" && mv "$CUDA_ROOT.tmp" "$CUDA_ROOT"
 fi
@@ -117,17 +91,12 @@ cmake --build "$BUILD_DIR" -j "$JOBS"
 LIB="$BUILD_DIR/libgmlake_torch.so"
 (cd "$BUILD_DIR" && ctest --output-on-failure)
 
-# The library exports its C API and nothing else; it needs no libcuda.
-exported=$(nm -D --defined-only "$LIB" | awk '{print $3}' | sort | tr '\n' ' ')
-for sym in gmlake_install gmlake_install_checked gmlake_is_installed gmlake_last_error gmlake_stats_json; do
-  case " $exported " in *" $sym "*) ;; *) echo "build-torch-ext: $sym is not exported" >&2; exit 1 ;; esac
-done
-# (and torch's CUDAAllocatorConfig instance, a GNU unique symbol bound to libc10_cuda's:
-# see cpp/gmlake_torch.map)
-if nm -D --defined-only "$LIB" | awk '{print $3}' | grep -v '^gmlake_' \
-    | grep -qv 'CUDAAllocatorConfig8instanceEvE10s_instance$'; then
-  echo "build-torch-ext: unexpected exported symbols: $exported" >&2; exit 1
-fi
+# The library exports its C API and nothing else (and torch's CUDAAllocatorConfig instance, a
+# GNU unique symbol bound to libc10_cuda's: see cpp/gmlake_torch.map); it needs no libcuda.
+missing=$(symbols_missing "$LIB" gmlake_install gmlake_install_checked gmlake_is_installed gmlake_last_error gmlake_stats_json)
+[ -z "$missing" ] || { echo "build-torch-ext: not exported: $missing" >&2; exit 1; }
+bad=$(symbols_unexpected "$LIB")
+[ -z "$bad" ] || { echo "build-torch-ext: unexpected exported symbols: $bad" >&2; exit 1; }
 # gmlake reads PyTorch's CUDAAllocatorConfig through libc10_cuda's instance (a GNU unique
 # symbol, cpp/gmlake_torch.map), so settings changed at run time are seen: check the binding.
 if command -v python3 >/dev/null 2>&1; then
@@ -148,10 +117,10 @@ if mine != theirs:
 print("[build-torch-ext] shares libc10_cuda's CUDAAllocatorConfig instance")
 EOF
 fi
-if readelf -d "$LIB" | grep -q 'libcuda\.so'; then
+if symbols_links_libcuda "$LIB"; then
   echo "build-torch-ext: libgmlake_torch.so must not link libcuda (it is loaded at run time)" >&2; exit 1
 fi
-log "ok: $LIB ($(du -h "$LIB" | cut -f1)); needs: $(readelf -d "$LIB" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')"
+log "ok: $LIB ($(du -h "$LIB" | cut -f1)); needs: $(symbols_needed "$LIB")"
 
 if [ -n "$OUT" ]; then
   mkdir -p "$OUT"

@@ -9,30 +9,34 @@
 # each, fetched with HTTP range requests by scripts/wheel-extract.py, not the whole wheel):
 # torch's torch/include, torch/version.py, torch/lib/libc10.so and libc10_cuda.so; CUDA runtime
 # headers and libcudart (nvidia-cuda-runtime-cu11 / -cu12) and crt/ headers (nvidia-cuda-nvcc).
-# Then, with -D_GLIBCXX_USE_CXX11_ABI=0 (PyPI wheels <= 2.6):
-#   2.x:  compiles cpp/gmlake_impl.cpp, cpp/gmlake_torch.cpp (the run-time install), cpp/tier.cpp and
-#         cpp/compat/c10_backend.cpp (the in-tree backend) to objects, and links
-#         libgmlake_torch.so with -Wl,--no-undefined against the wheel's libc10 / libc10_cuda
-#         and the Rust staticlib (built once with the wheel's ABI, cached in build/);
-#   1.13: compiles cpp/gmlake_impl.cpp and cpp/compat/torch_1_13.cpp (no link: they replace
-#         functions of libc10_cuda and call the ones a patched build renames);
-#   all:  compiles scripts/c10-only/gpu_test.cpp, the in-tree route's GPU test (no link: it
-#         needs a patched build's libc10_cuda; scripts/build-patched-c10.sh links and stages it).
-# torch < 2.2 gets cpp/compat/legacy on the include path.
+# Then per version it configures cpp/CMakeLists.txt with -DGMLAKE_VERSION_CHECK=ON (every
+# compile flag comes from there: the wheels' C++ ABI, -O1, warnings as errors; torch < 2.2 gets
+# cpp/compat/legacy on the include path) in BUILD_DIR/VERSION and builds:
+#   2.x:  libgmlake_torch.so (gmlake::Impl and its units, cpp/gmlake_torch.cpp: the run-time
+#         install, cpp/tier.cpp), linked with -Wl,--no-undefined against the wheel's libc10 /
+#         libc10_cuda and the Rust staticlib (built once with the wheels' ABI, cached in build/);
+#   all:  gmlake_in_tree_check: the in-tree sources, cpp/compat/c10_backend.cpp on 2.x,
+#         gmlake::Impl and cpp/compat/torch_1_13.cpp on 1.13 (no link: they replace functions of
+#         libc10_cuda and call the ones a patched build renames); gmlake_gpu_test_check:
+#         scripts/c10-only/gpu_test.cpp, the in-tree route's GPU test (no link: it needs a
+#         patched build's libc10_cuda; scripts/build-patched-c10.sh links and stages it).
 #
 # Environment: GMLAKE_ARTIFACTS (.artifacts), BUILD_DIR (build/check-torch-versions), JOBS
-# (nproc), CXX (g++), NO_LINK=1 (objects only; no Rust build).
+# (nproc), CXX (the compiler CMake uses), NO_LINK=1 (objects only; no libgmlake_torch.so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 ART="${GMLAKE_ARTIFACTS:-$ROOT/.artifacts}"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build/check-torch-versions}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
-CXX="${CXX:-g++}"
 VERSIONS=("$@")
 [ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(1.13.1 2.0.1 2.1.2 2.6.0)
 start=$SECONDS
 log() { printf '[check-torch-versions %3ss] %s\n' "$((SECONDS - start))" "$*"; }
+# shellcheck source=scripts/lib/wheels.sh
+source scripts/lib/wheels.sh
+# shellcheck source=scripts/lib/symbols.sh
+source scripts/lib/symbols.sh
 
 cuda_of() { # torch version -> "series cu"
   case "$1" in
@@ -51,17 +55,12 @@ for v in "${VERSIONS[@]}"; do
      || [ ! -f "$T/torch/lib/libc10_cuda.so" ]; then
     log "fetching torch==$v: torch/include, torch/version.py, torch/lib/libc10{,_cuda}.so"
     rm -rf "$T.tmp"
-    python3 scripts/wheel-extract.py "torch==$v" "$T.tmp" 'torch/include/*' 'torch/version.py' \
+    wheels_fetch "torch==$v" "$T.tmp" 'torch/include/*' 'torch/version.py' \
       'torch/lib/libc10.so' 'torch/lib/libc10_cuda.so'
     rm -rf "$T" && mv "$T.tmp" "$T"
   fi
   C="$ART/cuda-$series"
-  if [ ! -f "$C/nvidia/cuda_runtime/include/cuda_runtime_api.h" ] \
-     || [ ! -f "$C/nvidia/cuda_nvcc/include/crt/host_config.h" ]; then
-    log "fetching nvidia-cuda-runtime-$cu==$series.* and nvidia-cuda-nvcc-$cu==$series.* headers"
-    python3 scripts/wheel-extract.py "nvidia-cuda-runtime-$cu==$series.*" "$C" 'nvidia/*'
-    python3 scripts/wheel-extract.py "nvidia-cuda-nvcc-$cu==$series.*" "$C" 'nvidia/cuda_nvcc/include/*'
-  fi
+  wheels_cuda_headers "$series" "$cu" "$C"
 done
 
 # ---- the Rust side: cxx bridge headers (and the staticlib with the wheels' ABI, for linking)
@@ -79,60 +78,34 @@ fi
 BRIDGE="$CARGO_DIR/cxxbridge"
 FFI_LIB="$CARGO_DIR/release/libgmlake_ffi.a"
 
-# ---- compile (in parallel) and link per version
-jobs_file="$BUILD_DIR/jobs.txt"
-: > "$jobs_file"
+# ---- configure, compile and link per version: cpp/CMakeLists.txt with GMLAKE_VERSION_CHECK=ON
+# holds every flag (C++ ABI, standard, include paths, cpp/compat/legacy, warnings as errors)
 for v in "${VERSIONS[@]}"; do
   read -r series cu < <(cuda_of "$v")
   T="$ART/torch-headers/$v/torch"
   C="$ART/cuda-$series/nvidia"
   mm=$(echo "$v" | awk -F. '{print $1 * 100 + $2}')
-  inc=(-I"$ROOT/cpp" -I"$BRIDGE" -I"$T/include" -I"$T/include/torch/csrc/api/include"
-       -isystem "$C/cuda_runtime/include" -isystem "$C/cuda_nvcc/include")
-  [ "$mm" -ge 202 ] || inc+=(-I"$ROOT/cpp/compat/legacy")
-  if [ "$mm" -lt 200 ]; then
-    srcs=(cpp/gmlake_impl.cpp cpp/compat/torch_1_13.cpp)
-  else
-    srcs=(cpp/gmlake_impl.cpp cpp/gmlake_torch.cpp cpp/compat/c10_backend.cpp cpp/tier.cpp)
+  B="$BUILD_DIR/$v"
+  CUDART=$(ls "$C"/cuda_runtime/lib/libcudart.so.* | head -1)
+  cmake -S cpp -B "$B" -DGMLAKE_VERSION_CHECK=ON -DTORCH_DIR="$T" \
+    -DCUDA_INCLUDE_DIR="$C/cuda_runtime/include" -DCUDA_CRT_INCLUDE_DIR="$C/cuda_nvcc/include" \
+    -DCUDART_LIBRARY="$CUDART" -DGMLAKE_RUST_STATICLIB="$FFI_LIB" -DGMLAKE_CXXBRIDGE_DIR="$BRIDGE" \
+    > "$B.configure.log" 2>&1 || { cat "$B.configure.log"; log "FAIL: torch $v: cmake configure"; exit 1; }
+  targets=(gmlake_in_tree_check gmlake_gpu_test_check)
+  if [ "$mm" -ge 200 ]; then
+    if [ "${NO_LINK:-0}" = 1 ]; then targets+=(gmlake_torch_objects); else targets+=(gmlake_torch); fi
   fi
-  mkdir -p "$BUILD_DIR/$v"
-  for s in "${srcs[@]}"; do
-    o="$BUILD_DIR/$v/$(basename "${s%.cpp}").o"
-    # C10_CUDA_BUILD_MAIN_LIB: the in-tree sources are compiled as part of libc10_cuda.
-    extra=""
-    case "$s" in */c10_backend.cpp|*/torch_1_13.cpp) extra="-DC10_CUDA_BUILD_MAIN_LIB" ;; esac
-    printf '%s\n' "$v|$s|$CXX -std=c++17 -O1 -fPIC -D_GLIBCXX_USE_CXX11_ABI=0 -fvisibility=hidden -fvisibility-inlines-hidden -Wall -Wextra -Wno-unused-parameter -Wno-deprecated-declarations -Werror $extra ${inc[*]} -c $ROOT/$s -o $o" >> "$jobs_file"
-  done
-  printf '%s\n' "$v|scripts/c10-only/gpu_test.cpp|$CXX -std=c++17 -O1 -D_GLIBCXX_USE_CXX11_ABI=0 -Wall -Wextra -Wno-unused-parameter -Wno-deprecated-declarations -Werror -DGMLAKE_TEST_TORCH_NUM=$mm -I$T/include -isystem $C/cuda_runtime/include -isystem $C/cuda_nvcc/include -c $ROOT/scripts/c10-only/gpu_test.cpp -o $BUILD_DIR/$v/gpu_test.o" >> "$jobs_file"
+  log "torch $v: building ${targets[*]} (-j$JOBS)"
+  if ! cmake --build "$B" -j "$JOBS" --target "${targets[@]}" > "$B.build.log" 2>&1; then
+    grep -E 'error|Error' "$B.build.log" | head -30; log "FAIL: torch $v: compile errors (log: $B.build.log)"; exit 1
+  fi
+  [ "$mm" -ge 200 ] && [ "${NO_LINK:-0}" != 1 ] || continue
+  out="$B/libgmlake_torch.so"
+  if symbols_links_libcuda "$out"; then
+    log "FAIL: torch $v: libgmlake_torch.so links libcuda"; exit 1
+  fi
+  bad=$(symbols_unexpected "$out")
+  [ -z "$bad" ] || { log "FAIL: torch $v: unexpected exports: $bad"; exit 1; }
+  log "linked torch $v: $(basename "$out") with -Wl,--no-undefined against torch $v's libc10 / libc10_cuda ($(du -h "$out" | cut -f1))"
 done
-log "compiling $(wc -l < "$jobs_file") translation units (${VERSIONS[*]}; -j$JOBS)"
-failed=0
-# shellcheck disable=SC2016
-xargs -P "$JOBS" -d '\n' -n 1 bash -c '
-  IFS="|" read -r v s cmd <<< "$1"
-  if out=$(eval "$cmd" 2>&1); then echo "  ok   torch $v  $s"; else echo "  FAIL torch $v  $s"; echo "$out" | head -30; exit 1; fi
-' _ < "$jobs_file" || failed=1
-[ "$failed" = 0 ] || { log "FAIL: compile errors"; exit 1; }
-
-if [ "${NO_LINK:-0}" != 1 ]; then
-  for v in "${VERSIONS[@]}"; do
-    mm=$(echo "$v" | awk -F. '{print $1 * 100 + $2}')
-    [ "$mm" -ge 200 ] || continue
-    read -r series cu < <(cuda_of "$v")
-    T="$ART/torch-headers/$v/torch"
-    CUDART=$(ls "$ART/cuda-$series"/nvidia/cuda_runtime/lib/libcudart.so.* | head -1)
-    out="$BUILD_DIR/$v/libgmlake_torch.so"
-    "$CXX" -shared -o "$out" "$BUILD_DIR/$v/gmlake_impl.o" "$BUILD_DIR/$v/gmlake_torch.o" "$BUILD_DIR/$v/tier.o" "$FFI_LIB" \
-      -L"$T/lib" -lc10_cuda -lc10 "$CUDART" -lpthread -ldl -lm -lrt -lutil -lgcc_s \
-      -Wl,--no-undefined -Wl,--exclude-libs,ALL "-Wl,--version-script=$ROOT/cpp/gmlake_torch.map"
-    if readelf -d "$out" | grep -q 'libcuda\.so'; then
-      log "FAIL: torch $v: libgmlake_torch.so links libcuda"; exit 1
-    fi
-    # (torch's CUDAAllocatorConfig instance may be exported: a GNU unique symbol, cpp/gmlake_torch.map)
-    bad=$(nm -D --defined-only "$out" | awk '{print $3}' | grep -v '^gmlake_' \
-      | grep -v 'CUDAAllocatorConfig8instanceEvE10s_instance$' || true)
-    [ -z "$bad" ] || { log "FAIL: torch $v: unexpected exports: $bad"; exit 1; }
-    log "linked torch $v: $(basename "$out") with -Wl,--no-undefined against torch $v's libc10 / libc10_cuda ($(du -h "$out" | cut -f1))"
-  done
-fi
 log "OK: ${VERSIONS[*]}"

@@ -3,11 +3,11 @@
 // id. Each is a forward to gmlake::Impl. Each version's GmlakeAllocator (version_compat.h for
 // 2.11, compat/torch_2_*.h) derives from one of these classes and adds what differs. Every
 // method is marked `override`, so the compiler checks each signature against the version's
-// headers (scripts/check-torch-versions.sh builds all of them). Included by version_compat.h
+// headers (scripts/check-torch-versions.sh builds all of them). Overrides shared by a range of
+// versions only are under #if on GMLAKE_TORCH_VERSION_NUM. Included by version_compat.h
 // (which defines GMLAKE_TORCH_VERSION_NUM) for torch 2.x only.
 #pragma once
 
-#include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -18,33 +18,16 @@
 #include <utility>
 #include <vector>
 
+#include "compat/gpu_trace.h"
+#include "compat/snapshot_conversion.h"
 #include "compat/stats_conversion.h"
 #include "gmlake_impl.h"
 
 namespace gmlake {
 namespace compat {
 
-// PyTorch's GPU trace hooks (torch.cuda._sanitizer), called on every allocation and free.
-// 2.6 added the device type argument.
-#if GMLAKE_TORCH_VERSION_NUM >= 206
-#define GMLAKE_GPU_TRACE_ARGS(p) c10::kCUDA, reinterpret_cast<uintptr_t>(p)
-#else
-#define GMLAKE_GPU_TRACE_ARGS(p) reinterpret_cast<uintptr_t>(p)
-#endif
-
-inline void trace_gpu_alloc(void* p) {
-  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
-  if (C10_UNLIKELY(interp)) {
-    (*interp)->trace_gpu_memory_allocation(GMLAKE_GPU_TRACE_ARGS(p));
-  }
-}
-
-inline void trace_gpu_free(void* p) {
-  const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace();
-  if (C10_UNLIKELY(interp)) {
-    (*interp)->trace_gpu_memory_deallocation(GMLAKE_GPU_TRACE_ARGS(p));
-  }
-}
+namespace cca = c10::cuda::CUDACachingAllocator;
+using MempoolId = c10::cuda::MempoolId_t;
 
 // torch 2.0 and later.
 template <class Dev>
@@ -118,6 +101,34 @@ class ForwardingAllocator : public c10::cuda::CUDACachingAllocator::CUDAAllocato
   std::string name() override {
     return "gmlake";
   }
+#if GMLAKE_TORCH_VERSION_NUM < 211
+  // Before 2.11: one cache and one snapshot for every pool.
+  void emptyCache() override {
+    impl_.empty_cache(PoolId{0, 0});
+  }
+#endif
+#if GMLAKE_TORCH_VERSION_NUM < 206
+  // Before 2.6: Allocator::allocate is const; snapshots have no times, annotations or config.
+  c10::DataPtr allocate(size_t n) const override {
+    return impl_.allocate(n);
+  }
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
+    return snapshot_to<c10::cuda::CUDACachingAllocator::SnapshotInfo>(
+        impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true));
+  }
+  // Before 2.5 PyTorch shares with cudaIpcGetMemHandle itself (which cannot share gmlake's
+  // page-mapped memory: sending fails with CUDA's error); what it receives is a raw
+  // cudaIpcMemHandle_t of a process using the native allocator, which gmlake opens.
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return impl_.open_cuda_ipc_handle(handle);
+  }
+  // Before 2.6 the observer takes int64_t sizes.
+  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    impl_.attach_oom_observer([observer = std::move(observer)](int64_t device, size_t allocated, size_t total, size_t free) {
+      observer(device, static_cast<int64_t>(allocated), static_cast<int64_t>(total), static_cast<int64_t>(free));
+    });
+  }
+#endif
 
  protected:
   mutable Impl impl_;
@@ -145,6 +156,25 @@ class CheckpointingAllocator : public ForwardingAllocator<Dev> {
       bool p2p_enabled) override {
     return this->impl_.memcpy_async(dst, dstDevice, src, srcDevice, count, stream, p2p_enabled);
   }
+  bool isHistoryEnabled() override {
+    return this->impl_.history_enabled();
+  }
+#if GMLAKE_TORCH_VERSION_NUM < 211
+  // 2.1 to 2.10: no clear / skip lists.
+  void recordHistory(
+      bool enabled,
+      c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+      size_t alloc_trace_max_entries,
+      c10::cuda::CUDACachingAllocator::RecordContext when) override {
+    this->impl_.record_history(
+        enabled,
+        context_recorder,
+        alloc_trace_max_entries,
+        static_cast<When>(static_cast<int>(when)),
+        /*clear=*/false,
+        {});
+  }
+#endif
   void releasePool(Dev device, Mempool mempool_id) override {
     this->impl_.release_pool(device, PoolId{mempool_id.first, mempool_id.second});
   }
@@ -190,6 +220,68 @@ class CheckpointingAllocator : public ForwardingAllocator<Dev> {
     }
     return delta;
   }
+};
+#endif
+
+#if GMLAKE_TORCH_VERSION_NUM >= 206
+// torch 2.6 and later: pools routed by a stream filter torch gives, CUDA IPC through gmlake's
+// handles, annotations, trace trackers, times in snapshots.
+template <class Dev, class Mempool>
+class PoolRoutingAllocator : public CheckpointingAllocator<Dev, Mempool> {
+ public:
+  using CheckpointingAllocator<Dev, Mempool>::CheckpointingAllocator;
+
+  c10::DataPtr allocate(size_t n) override {
+    return this->impl_.allocate(n);
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    this->impl_.copy_data(dest, src, count);
+  }
+  double getMemoryFraction(Dev device) override {
+    return this->impl_.memory_fraction(device);
+  }
+  void enable(bool value) override {
+    this->impl_.enable(value);
+  }
+  bool isEnabled() const override {
+    return this->impl_.is_enabled();
+  }
+  void beginAllocateToPool(Dev device, Mempool mempool_id, std::function<bool(cudaStream_t)> filter) override {
+    this->impl_.begin_allocate_to_pool(device, PoolId{mempool_id.first, mempool_id.second}, std::move(filter));
+  }
+  void endAllocateToPool(Dev device, Mempool mempool_id) override {
+    this->impl_.end_allocate_to_pool(device, PoolId{mempool_id.first, mempool_id.second});
+  }
+  int getPoolUseCount(Dev device, Mempool mempool_id) override {
+    return this->impl_.pool_use_count(device, PoolId{mempool_id.first, mempool_id.second});
+  }
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
+    auto [offset, handle] = this->impl_.share_ipc(ptr);
+    return c10::cuda::CUDACachingAllocator::ShareableHandle{offset, std::move(handle)};
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return this->impl_.get_ipc_dev_ptr(handle);
+  }
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
+    this->impl_.record_annotation(md);
+  }
+  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    this->impl_.attach_oom_observer(std::move(observer));
+  }
+  void attachAllocatorTraceTracker(c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) override {
+    this->impl_.attach_trace_tracker([tracker = std::move(tracker)](const TraceRec& r) {
+      tracker(trace_entry_to<c10::cuda::CUDACachingAllocator::TraceEntry>(r));
+    });
+  }
+
+ protected:
+  // The version's SnapshotInfo of `d` (config_metadata left to the version's adapter).
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot_info(const SnapshotData& d, const SnapshotOptions& opt) {
+    return snapshot_to<c10::cuda::CUDACachingAllocator::SnapshotInfo>(d, opt, &clock_converter_);
+  }
+
+ private:
+  c10::ApproximateClockToUnixTimeConverter clock_converter_;
 };
 #endif
 

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "../version_compat.h"
+#include "c_api.h"
 
 namespace gmlake {
 namespace c10_backend {
@@ -72,28 +73,6 @@ extern "C" C10_CUDA_API const char* gmlake_c10_backend(void) {
   return name.c_str();
 }
 
-namespace gmlake {
-namespace c10_backend {
-
-// {"error": "<what>"} with the message's quotes, backslashes and control characters escaped.
-std::string error_json(const char* what) {
-  std::string out = "{\"error\": \"";
-  for (const char* c = what; c != nullptr && *c != '\0'; ++c) {
-    if (*c == '"' || *c == '\\') {
-      out += '\\';
-      out += *c;
-    } else if (static_cast<unsigned char>(*c) < 0x20) {
-      out += ' ';
-    } else {
-      out += *c;
-    }
-  }
-  return out + "\"}";
-}
-
-} // namespace c10_backend
-} // namespace gmlake
-
 // gmlake's statistics of `device` as a flat JSON object: torch.cuda.memory_stats()'s keys plus
 // gmlake's own counters ("gmlake.stitches", "gmlake.pages_stitched", "gmlake.page_size", ...),
 // as gmlake_stats_json of the run-time route. "{}" when gmlake is not the allocator in use or
@@ -101,21 +80,12 @@ std::string error_json(const char* what) {
 // tools that load libc10_cuda without torch's Python layer (scripts/c10-only/gpu_test.cpp).
 // Valid until the next call from the same thread.
 extern "C" C10_CUDA_API const char* gmlake_c10_stats_json(int device) {
-  thread_local std::string out;
-  try {
+  return gmlake::compat::json_or_error([&] {
     auto* a = c10::cuda::CUDACachingAllocator::allocator.load();
     gmlake::Impl* impl = gmlake::Impl::instance();
     if (a == nullptr || impl == nullptr || a->name() != "gmlake" || !impl->initialized()) {
-      out = "{}";
-    } else {
-      out = impl->stats_json(device);
+      return std::string("{}");
     }
-  } catch (const c10::Error& e) {
-    out = gmlake::c10_backend::error_json(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    out = gmlake::c10_backend::error_json(e.what());
-  } catch (...) {
-    out = gmlake::c10_backend::error_json("unknown exception");
-  }
-  return out.c_str();
+    return impl->stats_json(device);
+  });
 }

@@ -23,6 +23,8 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include "../version_compat.h"
+#include "c_api.h"
+#include "pool_routes.h"
 
 #if GMLAKE_TORCH_VERSION_NUM != 113
 #error "torch_1_13.cpp is for torch 1.13 only"
@@ -104,20 +106,9 @@ GmlakeDeviceAllocator& device_allocator() {
 }
 
 // CUDA graph captures underway: (device, graph) -> pool.
-std::mutex g_captures_mu;
-std::map<std::pair<int, c10::cuda::CaptureId_t>, PoolId>& captures() {
-  static auto* m = new std::map<std::pair<int, c10::cuda::CaptureId_t>, PoolId>();
-  return *m;
-}
-
-bool stream_captures(cudaStream_t stream, c10::cuda::CaptureId_t graph) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  c10::cuda::CaptureId_t id = 0;
-  if (cudaStreamGetCaptureInfo(stream, &status, &id) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return status == cudaStreamCaptureStatusActive && id == graph;
+gmlake::compat::KeyedPoolRoutes<c10::cuda::CaptureId_t>& capture_routes() {
+  static auto* r = new gmlake::compat::KeyedPoolRoutes<c10::cuda::CaptureId_t>();
+  return *r;
 }
 
 } // namespace
@@ -252,28 +243,7 @@ std::vector<SegmentInfo> snapshot() {
   if (!use_gmlake()) {
     return Native::snapshot();
   }
-  gmlake::SnapshotData d = gm().snapshot(PoolId{0, 0}, /*include_traces=*/false);
-  std::vector<SegmentInfo> out;
-  out.reserve(d.segments.size());
-  for (const auto& s : d.segments) {
-    SegmentInfo seg;
-    seg.device = s.device;
-    seg.address = static_cast<int64_t>(s.address);
-    seg.total_size = static_cast<int64_t>(s.total_size);
-    seg.allocated_size = static_cast<int64_t>(s.allocated_size);
-    seg.active_size = static_cast<int64_t>(s.active_size);
-    seg.stream = static_cast<cudaStream_t>(s.stream);
-    seg.is_large = s.is_large;
-    for (const auto& b : s.blocks) {
-      BlockInfo bi;
-      bi.size = static_cast<int64_t>(b.size);
-      bi.allocated = b.allocated;
-      bi.active = b.active;
-      seg.blocks.push_back(bi);
-    }
-    out.push_back(std::move(seg));
-  }
-  return out;
+  return gmlake::compat::segments_to<SegmentInfo>(gm().snapshot(PoolId{0, 0}, /*include_traces=*/false));
 }
 
 void notifyCaptureBegin(int device, CaptureId_t graph_id, MempoolId_t mempool_id) {
@@ -281,20 +251,10 @@ void notifyCaptureBegin(int device, CaptureId_t graph_id, MempoolId_t mempool_id
     Native::notifyCaptureBegin(device, graph_id, mempool_id);
     return;
   }
-  const PoolId pool{mempool_id.first, mempool_id.second};
-  {
-    std::lock_guard<std::mutex> g(g_captures_mu);
-    auto key = std::make_pair(device, graph_id);
-    TORCH_CHECK(captures().find(key) == captures().end(), "gmlake: notifyCaptureBegin: capture already underway");
-    captures()[key] = pool;
-  }
-  try {
-    gm().begin_allocate_to_pool(device, pool, [graph_id](cudaStream_t s) { return stream_captures(s, graph_id); });
-  } catch (...) {
-    std::lock_guard<std::mutex> g(g_captures_mu);
-    captures().erase(std::make_pair(device, graph_id));
-    throw;
-  }
+  capture_routes().begin(
+      gm(), device, graph_id, PoolId{mempool_id.first, mempool_id.second},
+      [graph_id](cudaStream_t s) { return gmlake::compat::stream_captures(s, graph_id); },
+      "gmlake: notifyCaptureBegin: capture already underway");
 }
 
 void notifyCaptureEnd(int device, CaptureId_t graph_id) {
@@ -302,15 +262,7 @@ void notifyCaptureEnd(int device, CaptureId_t graph_id) {
     Native::notifyCaptureEnd(device, graph_id);
     return;
   }
-  PoolId pool;
-  {
-    std::lock_guard<std::mutex> g(g_captures_mu);
-    auto it = captures().find(std::make_pair(device, graph_id));
-    TORCH_CHECK(it != captures().end(), "gmlake: notifyCaptureEnd: no such capture");
-    pool = it->second;
-    captures().erase(it);
-  }
-  gm().end_allocate_to_pool(device, pool);
+  capture_routes().end(gm(), device, graph_id, "gmlake: notifyCaptureEnd: no such capture");
 }
 
 void notifyCaptureDestroy(int device, MempoolId_t mempool_id) {
@@ -347,39 +299,11 @@ extern "C" C10_CUDA_API const char* gmlake_c10_backend(void) {
   return use_gmlake() ? "gmlake" : "native";
 }
 
-namespace {
-
-// {"error": "<what>"} with the message's quotes, backslashes and control characters escaped.
-std::string error_json(const char* what) {
-  std::string out = "{\"error\": \"";
-  for (const char* c = what; c != nullptr && *c != '\0'; ++c) {
-    if (*c == '"' || *c == '\\') {
-      out += '\\';
-      out += *c;
-    } else if (static_cast<unsigned char>(*c) < 0x20) {
-      out += ' ';
-    } else {
-      out += *c;
-    }
-  }
-  return out + "\"}";
-}
-
-} // namespace
 
 // gmlake's statistics of `device` as a flat JSON object (torch.cuda.memory_stats()'s keys plus
 // "gmlake.stitches", "gmlake.pages_stitched", ...); "{}" when gmlake is not in use or has not
 // created the device's allocator yet; {"error": "..."} on an error. See c10_backend.cpp.
 extern "C" C10_CUDA_API const char* gmlake_c10_stats_json(int device) {
-  thread_local std::string out;
-  try {
-    out = use_gmlake() && gm().initialized() ? gm().stats_json(device) : std::string("{}");
-  } catch (const c10::Error& e) {
-    out = error_json(e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    out = error_json(e.what());
-  } catch (...) {
-    out = error_json("unknown exception");
-  }
-  return out.c_str();
+  return gmlake::compat::json_or_error(
+      [&] { return use_gmlake() && gm().initialized() ? gm().stats_json(device) : std::string("{}"); });
 }

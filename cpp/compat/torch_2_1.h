@@ -10,143 +10,27 @@
 // c10/util/ApproximateClock.h: cpp/compat/legacy supplies what gmlake_impl needs.
 #pragma once
 
-#include <map>
-#include <mutex>
+#include "compat/pool_routes.h"
 
 namespace gmlake {
-namespace compat {
-
-namespace cca = c10::cuda::CUDACachingAllocator;
-using MempoolId = c10::cuda::MempoolId_t;
-
-inline cca::TraceEntry to_torch(const TraceRec& r) {
-  return cca::TraceEntry(
-      static_cast<cca::TraceEntry::Action>(r.action),
-      static_cast<int64_t>(r.addr),
-      static_cast<size_t>(r.size),
-      static_cast<cudaStream_t>(r.stream),
-      r.context);
-}
-
-inline cca::SnapshotInfo to_torch(const SnapshotData& d) {
-  cca::SnapshotInfo info;
-  for (const auto& s : d.segments) {
-    cca::SegmentInfo seg;
-    seg.device = s.device;
-    seg.address = static_cast<int64_t>(s.address);
-    seg.total_size = static_cast<int64_t>(s.total_size);
-    seg.requested_size = static_cast<int64_t>(s.requested_size);
-    seg.allocated_size = static_cast<int64_t>(s.allocated_size);
-    seg.active_size = static_cast<int64_t>(s.active_size);
-    seg.stream = static_cast<cudaStream_t>(s.stream);
-    seg.is_large = s.is_large;
-    seg.is_expandable = false;
-    seg.owner_private_pool_id = MempoolId{s.pool.first, s.pool.second};
-    for (const auto& b : s.blocks) {
-      cca::BlockInfo bi;
-      bi.size = static_cast<int64_t>(b.size);
-      bi.requested_size = static_cast<int64_t>(b.requested_size);
-      bi.allocated = b.allocated;
-      bi.active = b.active;
-      bi.context_when_allocated = b.context;
-      seg.blocks.push_back(std::move(bi));
-    }
-    info.segments.push_back(std::move(seg));
-  }
-  for (const auto& dev : d.traces) {
-    std::vector<cca::TraceEntry> entries;
-    entries.reserve(dev.size());
-    for (const auto& r : dev) {
-      entries.push_back(to_torch(r));
-    }
-    info.device_traces.push_back(std::move(entries));
-  }
-  return info;
-}
-
-} // namespace compat
 
 class GmlakeAllocator final : public compat::CheckpointingAllocator<int, compat::MempoolId> {
  public:
   using CheckpointingAllocator::CheckpointingAllocator;
 
-  c10::DataPtr allocate(size_t n) const override {
-    return impl_.allocate(n);
-  }
-  void emptyCache() override {
-    impl_.empty_cache(PoolId{0, 0});
-  }
-  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
-    return compat::to_torch(impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true));
-  }
   // CUDA graphs (2.1): allocations on `stream` go to the pool until endAllocateStreamToPool.
   void beginAllocateStreamToPool(int device, cudaStream_t stream, compat::MempoolId mempool_id) override {
-    const PoolId pool{mempool_id.first, mempool_id.second};
-    {
-      std::lock_guard<std::mutex> g(routes_mu_);
-      auto key = std::make_pair(device, stream);
-      TORCH_CHECK(
-          stream_pools_.find(key) == stream_pools_.end(),
-          "gmlake: beginAllocateStreamToPool: the stream already allocates to a pool");
-      stream_pools_[key] = pool;
-    }
-    try {
-      impl_.begin_allocate_to_pool(device, pool, [stream](cudaStream_t s) { return s == stream; });
-    } catch (...) {
-      std::lock_guard<std::mutex> g(routes_mu_);
-      stream_pools_.erase(std::make_pair(device, stream));
-      throw;
-    }
+    stream_routes_.begin(
+        impl_, device, stream, PoolId{mempool_id.first, mempool_id.second},
+        [stream](cudaStream_t s) { return s == stream; },
+        "gmlake: beginAllocateStreamToPool: the stream already allocates to a pool");
   }
   void endAllocateStreamToPool(int device, cudaStream_t stream) override {
-    PoolId pool;
-    {
-      std::lock_guard<std::mutex> g(routes_mu_);
-      auto it = stream_pools_.find(std::make_pair(device, stream));
-      TORCH_CHECK(it != stream_pools_.end(), "gmlake: endAllocateStreamToPool: the stream allocates to no pool");
-      pool = it->second;
-      stream_pools_.erase(it);
-    }
-    impl_.end_allocate_to_pool(device, pool);
-  }
-  // Before 2.5 PyTorch shares with cudaIpcGetMemHandle itself (which cannot share gmlake's
-  // page-mapped memory: sending fails with CUDA's error); what it receives is a raw
-  // cudaIpcMemHandle_t of a process using the native allocator, which gmlake opens.
-  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    return impl_.open_cuda_ipc_handle(handle);
-  }
-  bool isHistoryEnabled() override {
-    return impl_.history_enabled();
-  }
-  void recordHistory(
-      bool enabled,
-      c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
-      size_t alloc_trace_max_entries,
-      c10::cuda::CUDACachingAllocator::RecordContext when) override {
-    impl_.record_history(
-        enabled,
-        context_recorder,
-        alloc_trace_max_entries,
-        static_cast<When>(static_cast<int>(when)),
-        /*clear=*/false,
-        {});
-  }
-  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
-    impl_.attach_oom_observer([observer = std::move(observer)](int64_t device, size_t allocated, size_t total, size_t free) {
-      observer(device, static_cast<int64_t>(allocated), static_cast<int64_t>(total), static_cast<int64_t>(free));
-    });
+    stream_routes_.end(impl_, device, stream, "gmlake: endAllocateStreamToPool: the stream allocates to no pool");
   }
 
  private:
-  std::mutex routes_mu_;
-  std::map<std::pair<int, cudaStream_t>, PoolId> stream_pools_;
+  compat::KeyedPoolRoutes<cudaStream_t> stream_routes_;
 };
 
-namespace compat {
-
-inline void install(GmlakeAllocator* a) {
-  cca::allocator.store(a);
-}
-
-} // namespace compat
 } // namespace gmlake

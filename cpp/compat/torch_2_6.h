@@ -10,165 +10,28 @@
 #pragma once
 
 namespace gmlake {
-namespace compat {
 
-namespace cca = c10::cuda::CUDACachingAllocator;
-namespace cda = c10::CachingDeviceAllocator;
-using MempoolId = c10::cuda::MempoolId_t;
-
-inline cca::TraceEntry to_torch(const TraceRec& r) {
-  return cca::TraceEntry(
-      static_cast<cca::TraceEntry::Action>(r.action),
-      static_cast<c10::DeviceIndex>(r.device),
-      static_cast<size_t>(r.addr),
-      static_cast<size_t>(r.size),
-      static_cast<cudaStream_t>(r.stream),
-      r.time,
-      r.context);
-}
-
-inline cca::SnapshotInfo to_torch(const SnapshotData& d, c10::ApproximateClockToUnixTimeConverter& clock) {
-  cca::SnapshotInfo info;
-  for (const auto& s : d.segments) {
-    cca::SegmentInfo seg;
-    seg.device = static_cast<c10::DeviceIndex>(s.device);
-    seg.address = static_cast<size_t>(s.address);
-    seg.total_size = static_cast<size_t>(s.total_size);
-    seg.requested_size = static_cast<size_t>(s.requested_size);
-    seg.allocated_size = static_cast<size_t>(s.allocated_size);
-    seg.active_size = static_cast<size_t>(s.active_size);
-    seg.stream = static_cast<cudaStream_t>(s.stream);
-    seg.is_large = s.is_large;
-    seg.is_expandable = false;
-    seg.owner_private_pool_id = MempoolId{s.pool.first, s.pool.second};
-    for (const auto& b : s.blocks) {
-      cca::BlockInfo bi;
-      bi.size = static_cast<size_t>(b.size);
-      bi.requested_size = static_cast<size_t>(b.requested_size);
-      bi.allocated = b.allocated;
-      bi.active = b.active;
-      bi.context_when_allocated = b.context;
-      seg.blocks.push_back(std::move(bi));
-    }
-    info.segments.push_back(std::move(seg));
-  }
-  auto to_us = clock.makeConverter();
-  for (const auto& dev : d.traces) {
-    std::vector<cca::TraceEntry> entries;
-    entries.reserve(dev.size());
-    for (const auto& r : dev) {
-      cca::TraceEntry te = to_torch(r);
-      te.time_.t_ = to_us(r.time);
-      entries.push_back(std::move(te));
-    }
-    info.device_traces.push_back(std::move(entries));
-  }
-  for (const auto& a : d.annotations) {
-    cca::AnnotationEntry ae(static_cast<c10::DeviceIndex>(a.device), a.time);
-    for (const auto& kv : a.metadata) {
-      ae.recordUserMetadata(kv.first, kv.second);
-    }
-    ae.time_.t_ = to_us(a.time);
-    info.external_annotations.push_back(std::move(ae));
-  }
-  auto& cm = info.config_metadata;
-  cm.garbage_collection_threshold = 0.0;
-  cm.max_split_size = std::numeric_limits<size_t>::max();
-  cm.pinned_num_register_threads = 1;
-  cm.expandable_segments = false;
-  cm.release_lock_on_malloc = false;
-  cm.pinned_use_host_register = false;
-  cm.last_allocator_settings = d.settings;
-  cm.roundup_power2_divisions.clear();
-  return info;
-}
-
-} // namespace compat
-
-class GmlakeAllocator final : public compat::CheckpointingAllocator<c10::DeviceIndex, compat::MempoolId> {
+class GmlakeAllocator final : public compat::PoolRoutingAllocator<c10::DeviceIndex, compat::MempoolId> {
  public:
-  using CheckpointingAllocator::CheckpointingAllocator;
+  using PoolRoutingAllocator::PoolRoutingAllocator;
 
-  c10::DataPtr allocate(size_t n) override {
-    return impl_.allocate(n);
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    impl_.copy_data(dest, src, count);
-  }
-  double getMemoryFraction(c10::DeviceIndex device) override {
-    return impl_.memory_fraction(device);
-  }
-  void emptyCache() override {
-    impl_.empty_cache(PoolId{0, 0});
-  }
-  void enable(bool value) override {
-    impl_.enable(value);
-  }
-  bool isEnabled() const override {
-    return impl_.is_enabled();
-  }
   c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot() override {
     SnapshotData d = impl_.snapshot(PoolId{0, 0}, /*include_traces=*/true);
-    return compat::to_torch(d, clock_converter_);
-  }
-  void beginAllocateToPool(
-      c10::DeviceIndex device,
-      compat::MempoolId mempool_id,
-      std::function<bool(cudaStream_t)> filter) override {
-    impl_.begin_allocate_to_pool(device, PoolId{mempool_id.first, mempool_id.second}, std::move(filter));
-  }
-  void endAllocateToPool(c10::DeviceIndex device, compat::MempoolId mempool_id) override {
-    impl_.end_allocate_to_pool(device, PoolId{mempool_id.first, mempool_id.second});
-  }
-  int getPoolUseCount(c10::DeviceIndex device, compat::MempoolId mempool_id) override {
-    return impl_.pool_use_count(device, PoolId{mempool_id.first, mempool_id.second});
+    auto info = snapshot_info(d, compat::SnapshotOptions{});
+    auto& cm = info.config_metadata;
+    cm.garbage_collection_threshold = 0.0;
+    cm.max_split_size = std::numeric_limits<size_t>::max();
+    cm.pinned_num_register_threads = 1;
+    cm.expandable_segments = false;
+    cm.release_lock_on_malloc = false;
+    cm.pinned_use_host_register = false;
+    cm.last_allocator_settings = d.settings;
+    cm.roundup_power2_divisions.clear();
+    return info;
   }
   void ensureExistsAndIncrefPool(c10::DeviceIndex device, compat::MempoolId mempool_id) override {
     impl_.create_or_incref_pool(device, PoolId{mempool_id.first, mempool_id.second});
   }
-  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* ptr) override {
-    auto [offset, handle] = impl_.share_ipc(ptr);
-    return c10::cuda::CUDACachingAllocator::ShareableHandle{offset, std::move(handle)};
-  }
-  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
-    return impl_.get_ipc_dev_ptr(handle);
-  }
-  bool isHistoryEnabled() override {
-    return impl_.history_enabled();
-  }
-  void recordHistory(
-      bool enabled,
-      c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
-      size_t alloc_trace_max_entries,
-      c10::cuda::CUDACachingAllocator::RecordContext when) override {
-    impl_.record_history(
-        enabled,
-        context_recorder,
-        alloc_trace_max_entries,
-        static_cast<When>(static_cast<int>(when)),
-        /*clear=*/false,
-        {});
-  }
-  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) override {
-    impl_.record_annotation(md);
-  }
-  void attachOutOfMemoryObserver(c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
-    impl_.attach_oom_observer(std::move(observer));
-  }
-  void attachAllocatorTraceTracker(c10::cuda::CUDACachingAllocator::AllocatorTraceTracker tracker) override {
-    impl_.attach_trace_tracker([tracker = std::move(tracker)](const TraceRec& r) { tracker(compat::to_torch(r)); });
-  }
-
- private:
-  c10::ApproximateClockToUnixTimeConverter clock_converter_;
 };
 
-namespace compat {
-
-// 2.6 has no c10::SetAllocator registration for CUDA: torch reads CUDACachingAllocator::get().
-inline void install(GmlakeAllocator* a) {
-  cca::allocator.store(a);
-}
-
-} // namespace compat
 } // namespace gmlake

@@ -1,0 +1,67 @@
+// gmlake::IpcCache: see ipc_cache.h.
+#include "ipc_cache.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <cstring>
+
+#include "gmlake_types.h"
+#include "once_log.h"
+
+namespace gmlake {
+
+std::shared_ptr<void> IpcCache::cached(
+    const std::string& key,
+    const std::function<std::shared_ptr<void>()>& open) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = open_.find(key);
+  if (it != open_.end()) {
+    if (auto sp = it->second.lock()) {
+      return sp;
+    }
+  }
+  std::shared_ptr<void> sp = open();
+  open_[key] = sp;
+  return sp;
+}
+
+void IpcCache::forget(const std::string& key) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = open_.find(key);
+  // A new opening of the same handle may have replaced the entry meanwhile: keep that one.
+  if (it != open_.end() && it->second.expired()) {
+    open_.erase(it);
+  }
+}
+
+std::shared_ptr<void> IpcCache::open_cuda(const std::string& raw, OnceLog& log) {
+  TORCH_CHECK(
+      raw.size() == sizeof(cudaIpcMemHandle_t),
+      "gmlake: getIpcDevPtr: a cudaMalloc IPC handle has ", sizeof(cudaIpcMemHandle_t),
+      " bytes, got ", raw.size());
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  const std::string key = std::string("c") + raw;
+  return cached(key, [&]() -> std::shared_ptr<void> {
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, raw.data(), sizeof h);
+    void* p = nullptr;
+    C10_CUDA_CHECK(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
+    return std::shared_ptr<void>(p, [this, device, key, &log](void* q) {
+      forget(key);
+      c10::cuda::CUDAGuard guard(device);
+      cudaError_t err = cudaIpcCloseMemHandle(q);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        log("cudaIpcCloseMemHandle", std::string("gmlake: cudaIpcCloseMemHandle failed: ") +
+                cudaGetErrorString(err));
+      }
+    });
+  });
+}
+
+} // namespace gmlake
