@@ -82,7 +82,7 @@ fn the_importer_maps_the_exporters_pages() {
     assert_eq!(a.stats().ipc_shares, 1);
     // Imported memory is not the importer's: nothing reserved or allocated for it.
     assert_eq!(s.reserved_bytes.aggregate().current, 0);
-    b.close_imported(y).unwrap();
+    b.close_imported(y, 0).unwrap();
     assert_eq!(b.stats().ipc_imported_bytes, 0);
     a.verify().unwrap();
     b.verify().unwrap();
@@ -125,7 +125,7 @@ fn memory_lives_until_both_sides_let_go_exporter_first() {
         .all(|p| !pages.contains(p)));
     // Tokens of released pages cannot be imported any more.
     assert!(receive(&dev, &b, &bytes).is_err());
-    b.close_imported(y).unwrap();
+    b.close_imported(y, 0).unwrap();
     a.free(z).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(dev.physical_bytes(), 0);
@@ -138,16 +138,16 @@ fn memory_lives_until_both_sides_let_go_importer_first() {
     let x = a.allocate(4 * MIB, 0).unwrap();
     let (bytes, _) = send(&dev, &a, x);
     let y = receive(&dev, &b, &bytes).unwrap();
-    b.close_imported(y).unwrap();
+    b.close_imported(y, 0).unwrap();
     assert_eq!(dev.physical_bytes(), 4 * MIB);
     assert!(
         dev.translate(x).is_some(),
         "the exporter's block is untouched"
     );
-    assert_eq!(b.close_imported(y), Err(Error::UnknownPointer(y)));
+    assert_eq!(b.close_imported(y, 0), Err(Error::UnknownPointer(y)));
     // The same handle can be opened again while the exporter holds the block.
     let y2 = receive(&dev, &b, &bytes).unwrap();
-    b.close_imported(y2).unwrap();
+    b.close_imported(y2, 0).unwrap();
     a.free(x).unwrap();
     a.empty_cache().unwrap();
     assert_eq!(dev.physical_bytes(), 0);
