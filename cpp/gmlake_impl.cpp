@@ -1575,23 +1575,53 @@ std::pair<int64_t, std::string> Impl::share_ipc(void* ptr) {
 std::shared_ptr<void> Impl::ipc_cached(
     const std::string& key,
     const std::function<std::shared_ptr<void>()>& open) {
-  std::lock_guard<std::mutex> g(ipc_mu_);
-  auto it = ipc_open_.find(key);
-  if (it != ipc_open_.end()) {
-    if (auto sp = it->second.lock()) {
+  // Declared before the lock, so destroyed after it is released on every way out: the
+  // pointer's deleter takes ipc_mu_ (ipc_forget), and must never run while it is held.
+  std::shared_ptr<void> sp;
+  std::unique_lock<std::mutex> lk(ipc_mu_);
+  for (;;) {
+    auto it = ipc_open_.find(key);
+    if (it == ipc_open_.end()) {
+      break;
+    }
+    if (it->second.opening) {
+      ipc_cv_.wait(lk);  // another thread opens this handle (without the lock)
+      continue;
+    }
+    sp = it->second.ptr.lock();
+    if (sp) {
       return sp;
     }
+    break;  // its last pointer died; the deleter's ipc_forget keeps an entry being opened
   }
-  std::shared_ptr<void> sp = open();
-  ipc_open_[key] = sp;
+  ipc_open_[key].opening = true;  // if this throws, nothing is opened yet
+  lk.unlock();
+  // The driver import (descriptors duplicated, pages imported and mapped, or
+  // cudaIpcOpenMemHandle) runs without ipc_mu_: deleters and openers of other handles go on.
+  try {
+    sp = open();
+  } catch (...) {
+    lk.lock();
+    ipc_open_.erase(key);
+    ipc_cv_.notify_all();
+    throw;
+  }
+  lk.lock();
+  auto it = ipc_open_.find(key);  // our entry: nobody erases an entry being opened
+  if (it != ipc_open_.end()) {
+    it->second.ptr = sp;
+    it->second.opening = false;
+  }
+  ipc_cv_.notify_all();
   return sp;
 }
 
 void Impl::ipc_forget(const std::string& key) {
   std::lock_guard<std::mutex> g(ipc_mu_);
   auto it = ipc_open_.find(key);
-  // A new opening of the same handle may have replaced the entry meanwhile: keep that one.
-  if (it != ipc_open_.end() && it->second.expired()) {
+  // A new opening of the same handle may have replaced the entry meanwhile, or be under
+  // way: keep that one.
+  if (it != ipc_open_.end() && !it->second.opening && it->second.ptr.expired()) {
     ipc_open_.erase(it);
   }
 }
@@ -1621,7 +1651,12 @@ std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
     return std::shared_ptr<void>(reinterpret_cast<void*>(base), [this, d, handle](void* p) {
       ipc_forget(handle);
       try {
-        core(d).close_ipc(reinterpret_cast<uint64_t>(p));
+        // Stream-ordered, as PyTorch's deleter of received memory is (it then synchronizes
+        // its current stream): the range is unmapped once the work queued on this stream has
+        // completed, by a later allocator call. Nothing waits here (the GIL may be held).
+        const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(d));
+        core(d).close_ipc(
+            reinterpret_cast<uint64_t>(p), stream_id(stream.stream()));
       } catch (const std::exception& e) {
         log_once("close_ipc", std::string("gmlake: closing imported CUDA memory failed: ") + e.what());
       }

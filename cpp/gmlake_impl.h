@@ -14,6 +14,7 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -342,9 +343,17 @@ class Impl {
   std::map<std::string, int> logged_;
 
   // Open IPC handles: handle bytes -> the pointer handed out (as PyTorch's
-  // ipcMemHandle_to_devptr). Entries whose pointer died are erased by its deleter.
+  // ipcMemHandle_to_devptr). Entries whose pointer died are erased by its deleter. ipc_mu_
+  // guards the map only: no driver call is made while it is held. An entry being opened
+  // (`opening`) makes other openers of the same handle wait on ipc_cv_ (one opening per
+  // handle, as cudaIpcOpenMemHandle wants); openers of other handles go on.
+  struct IpcEntry {
+    std::weak_ptr<void> ptr;
+    bool opening = false;
+  };
   std::mutex ipc_mu_;
-  std::map<std::string, std::weak_ptr<void>> ipc_open_;
+  std::condition_variable ipc_cv_;
+  std::map<std::string, IpcEntry> ipc_open_;
   std::shared_ptr<void> ipc_cached(const std::string& key,
                                    const std::function<std::shared_ptr<void>()>& open);
   // Called by a pointer's deleter: drops the entry of `key` unless it was opened again.
