@@ -269,8 +269,15 @@ fn closing_an_import_keeps_it_mapped_until_its_stream_is_past_the_close() {
     let syncs = dev.calls().synchronize;
 
     b.close_imported(y, 7).unwrap();
-    assert_eq!(dev.calls().synchronize, syncs, "the close waited for the device");
-    assert!(dev.translate(y).is_some(), "unmapped with stream 7's work queued");
+    assert_eq!(
+        dev.calls().synchronize,
+        syncs,
+        "the close waited for the device"
+    );
+    assert!(
+        dev.translate(y).is_some(),
+        "unmapped with stream 7's work queued"
+    );
     assert_eq!(dev.live_mappings(), mapped);
     // Still mapped across later calls while stream 7 is busy; closed for new users.
     let s = b.stats();
@@ -282,7 +289,10 @@ fn closing_an_import_keeps_it_mapped_until_its_stream_is_past_the_close() {
 
     // Stream 7 finishes (stream 9 is still busy): the next call releases the range.
     dev.complete_stream(7);
-    assert!(dev.translate(y).is_some(), "released only by an allocator call");
+    assert!(
+        dev.translate(y).is_some(),
+        "released only by an allocator call"
+    );
     let before = dev.live_mappings();
     b.process_closed_imports();
     assert!(dev.translate(y).is_none(), "never released");
@@ -301,7 +311,10 @@ fn a_closed_import_is_released_by_the_next_allocation_free_or_import() {
     let (dev, a, b) = two_processes_async(1 << 30);
     let x = a.allocate(4 * MIB, 0).unwrap();
     let (bytes, _) = send(&dev, &a, x);
-    for (i, call) in ["allocate", "free", "import", "empty_cache"].iter().enumerate() {
+    for (i, call) in ["allocate", "free", "import", "empty_cache"]
+        .iter()
+        .enumerate()
+    {
         let y = receive(&dev, &b, &bytes).unwrap();
         dev.fill(y, 2 * MIB, i as u64, 3).unwrap();
         let t = b.allocate(MIB, 0).unwrap();
@@ -366,10 +379,16 @@ fn a_close_that_cannot_record_its_event_keeps_the_range_open() {
     let (bytes, _) = send(&dev, &a, x);
     let y = receive(&dev, &b, &bytes).unwrap();
     // The simulated device records on any stream; an unknown pointer is the failure here.
-    assert_eq!(b.close_imported(y + PAGE, 0), Err(Error::UnknownPointer(y + PAGE)));
+    assert_eq!(
+        b.close_imported(y + PAGE, 0),
+        Err(Error::UnknownPointer(y + PAGE))
+    );
     assert!(dev.translate(y).is_some());
     b.close_imported(y, 0).unwrap();
-    assert!(dev.translate(y).is_none(), "synchronous device: released at once");
+    assert!(
+        dev.translate(y).is_none(),
+        "synchronous device: released at once"
+    );
 }
 
 mod closing_properties {
@@ -472,8 +491,8 @@ mod closing_properties {
                 let live = open.iter().flatten().count() + closed.iter().filter(|c| !c.2).count();
                 prop_assert!(s.ipc_imports as usize >= live);
             }
-            for k in 0..4 {
-                if let Some(y) = open[k].take() {
+            for (k, slot) in open.iter_mut().enumerate() {
+                if let Some(y) = slot.take() {
                     b.close_imported(y, stream_of(k)).unwrap();
                 }
             }

@@ -1026,7 +1026,9 @@ impl Gmlake {
     }
 
     fn close_ipc(&self, ptr: u64, stream: u64) -> Result<(), String> {
-        guard("close_ipc", || self.core.close_ipc(ptr, stream).map_err(core_err))
+        guard("close_ipc", || {
+            self.core.close_ipc(ptr, stream).map_err(core_err)
+        })
     }
 }
 
