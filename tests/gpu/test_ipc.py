@@ -285,8 +285,9 @@ if __name__ == "__main__":
         rounds.append(dict(ok=bool(ok), del_s=round(del_s, 4), side_busy=side_busy,
                            opened=opened, left=left, exitcode=p.exitcode))
         torch.cuda.ipc_collect()
-    # gmlake only: a close whose own stream is busy returns at once too, the range stays
-    # mapped until that stream is past it, and is released after.
+    # gmlake only: a close whose own stream is busy is deferred (its event is pending when
+    # gmlake's close runs; PyTorch's deleter then waits for that stream itself, as under
+    # native), and a later call releases the range: nothing is left mapped.
     deferred = None
     if gmlake.is_enabled():
         q, done = ctx.Queue(), ctx.Event()
@@ -294,6 +295,7 @@ if __name__ == "__main__":
         p.start()
         items = q.get(timeout=240)
         torch.cuda.synchronize()
+        opened_d = imports()
         torch.cuda._sleep(cycles // 2)          # the current stream is busy
         t0 = time.time()
         del items
@@ -302,7 +304,8 @@ if __name__ == "__main__":
         torch.cuda.synchronize()
         x = torch.empty(1 << 20, device="cuda")
         del x
-        deferred = dict(del_s=round(del_s, 4), mapped_after_del=mapped_after_del, left=imports())
+        deferred = dict(del_s=round(del_s, 4), opened=opened_d, mapped_after_del=mapped_after_del,
+                        left=imports())
         done.set()
         p.join(60)
     result(rounds=rounds, deferred=deferred, busy_s=busy_s,
@@ -325,6 +328,4 @@ def test_deleting_received_tensors_does_not_wait_for_other_streams(allocator):
             assert rd["opened"] >= 1 and rd["left"] == 0, f"imports not released: {res}"
     if allocator == "gmlake":
         d = res["deferred"]
-        assert d["del_s"] < 0.5, f"del waited for its own stream: {res}"
-        assert d["mapped_after_del"] >= 1, f"unmapped under the stream's work: {res}"
-        assert d["left"] == 0, f"a deferred close was never released: {res}"
+        assert d["opened"] >= 1 and d["left"] == 0, f"a deferred close was never released: {res}"
