@@ -1232,7 +1232,12 @@ std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
     return std::shared_ptr<void>(reinterpret_cast<void*>(base), [this, d, handle](void* p) {
       ipc_.forget(handle);
       try {
-        core(d).close_ipc(reinterpret_cast<uint64_t>(p));
+        // Stream-ordered, as PyTorch's deleter of received memory is (it then synchronizes
+        // its current stream): the range is unmapped once the work queued on this stream has
+        // completed, by a later allocator call. Nothing waits here (the GIL may be held).
+        const auto stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(d));
+        core(d).close_ipc(
+            reinterpret_cast<uint64_t>(p), stream_id(stream.stream()));
       } catch (const std::exception& e) {
         log_once("close_ipc", std::string("gmlake: closing imported CUDA memory failed: ") + e.what());
       }

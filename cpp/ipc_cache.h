@@ -1,8 +1,12 @@
 // Open CUDA IPC handles for gmlake::Impl (gmlake_impl.h): handle bytes -> the pointer handed
 // out, as PyTorch's ipcMemHandle_to_devptr, so that the same handle opened twice gives the
 // same pointer while the first is alive. Entries whose pointer died are erased by its deleter.
+// mu_ guards the map only: no driver call is made while it is held. An entry being opened
+// (`opening`) makes other openers of the same handle wait on cv_ (one opening per handle, as
+// cudaIpcOpenMemHandle wants); openers of other handles and deleters go on.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -24,8 +28,13 @@ class IpcCache {
   std::shared_ptr<void> open_cuda(const std::string& raw, OnceLog& log);
 
  private:
+  struct Entry {
+    std::weak_ptr<void> ptr;
+    bool opening = false;
+  };
   std::mutex mu_;
-  std::map<std::string, std::weak_ptr<void>> open_;
+  std::condition_variable cv_;
+  std::map<std::string, Entry> open_;
 };
 
 } // namespace gmlake

@@ -11,7 +11,7 @@
 //! - `release_physical` only takes a handle that is mapped nowhere;
 //! - `free_va` only takes a whole reservation with nothing mapped inside;
 //! - an event recorded on a stream completes once all work queued on that stream before the
-//!   record has finished;
+//!   record has finished (work on other streams does not delay it);
 //! - the host-memory calls (`alloc_host`, `free_host`, `copy_d2h_async`, `copy_h2d_async`) are
 //!   optional: a device without them keeps the default methods, which fail with
 //!   [`DeviceError::Unsupported`]. A copy is queued on a stream, like a kernel: it runs after
@@ -119,6 +119,17 @@ pub trait Device: Send + Sync {
     fn query_event(&self, event: EventHandle) -> DeviceResult<bool>;
     /// Blocks until all work on the device has completed.
     fn synchronize(&self) -> DeviceResult<()>;
+    /// Blocks until `event` has completed (the work queued on its stream before its last
+    /// record), without waiting for other streams. The default polls [`Device::query_event`],
+    /// sleeping a little longer each time (up to 1 ms).
+    fn wait_event(&self, event: EventHandle) -> DeviceResult<()> {
+        let mut pause = std::time::Duration::from_micros(10);
+        while !self.query_event(event)? {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(1));
+        }
+        Ok(())
+    }
 
     /// Allocates `size` bytes of pinned host memory (`cuMemHostAlloc`), which copies to and
     /// from the device can run asynchronously with.
@@ -203,6 +214,9 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
     }
     fn synchronize(&self) -> DeviceResult<()> {
         (**self).synchronize()
+    }
+    fn wait_event(&self, event: EventHandle) -> DeviceResult<()> {
+        (**self).wait_event(event)
     }
     fn alloc_host(&self, size: usize) -> DeviceResult<HostPtr> {
         (**self).alloc_host(size)

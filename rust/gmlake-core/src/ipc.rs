@@ -13,13 +13,14 @@
 //! Lifetimes: an imported page holds its own reference on the physical memory, so either side
 //! may free first. The exporter's descriptors stay open until it releases the page (the
 //! importer may duplicate them at any time before); the importer's mapping lives until
-//! [`Imports::close`]. Whether the exporter may *reuse* a page while another process still
+//! [`Imports::close`] and, after it, until the work queued before the close on the closing
+//! stream has completed (the close is stream-ordered, see [`Imports::close`]). Whether the exporter may *reuse* a page while another process still
 //! reads it is the caller's protocol, as with every CUDA IPC (PyTorch keeps sent blocks alive
 //! until the receiver's reference count drops).
 
-use crate::device::{Device, DevicePtr, PhysHandle};
+use crate::device::{Device, DevicePtr, EventHandle, PhysHandle, StreamId};
 use crate::error::{Error, Result};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 /// PyTorch's `SHAREABLE_HANDLE_VERSION`.
 pub const HANDLE_VERSION: u8 = 2;
@@ -164,15 +165,30 @@ struct Import {
     handles: Vec<PhysHandle>,
 }
 
+/// A closed range still mapped until its event completes.
+#[derive(Debug)]
+struct Closing {
+    addr: DevicePtr,
+    import: Import,
+    /// Recorded on the closing stream at the close.
+    event: EventHandle,
+}
+
 /// The ranges this process imported on one device, by address.
 ///
-/// Invariant: every entry is a reservation of `handles.len() * page_size` bytes with page `i`
-/// mapped (with access) at `addr + i * page_size`, and this registry owns one reference on
-/// each handle; nothing else maps into or frees these reservations.
+/// Invariant: every entry, open or closing, is a reservation of `handles.len() * page_size`
+/// bytes with page `i` mapped (with access) at `addr + i * page_size`, and this registry owns
+/// one reference on each handle; nothing else maps into or frees these reservations. A closing
+/// entry is unmapped and released only once its event has completed.
 #[derive(Debug, Default)]
 pub struct Imports {
     ranges: BTreeMap<DevicePtr, Import>,
+    /// Closed ranges waiting for their event, in close order.
+    closing: VecDeque<Closing>,
+    /// Bytes of open and closing ranges (all still mapped).
     bytes: u64,
+    /// Events for closes, reused.
+    event_pool: Vec<EventHandle>,
 }
 
 impl Imports {
@@ -230,14 +246,93 @@ impl Imports {
         Ok(addr)
     }
 
-    /// Unmaps and releases the range imported at `addr`. The caller has made sure no work
-    /// still uses it (PyTorch's native allocator synchronizes the device first; so does
-    /// [`crate::Allocator::close_imported`]).
-    pub fn close<D: Device>(&mut self, dev: &D, addr: DevicePtr) -> Result<()> {
-        let imp = self
-            .ranges
-            .remove(&addr)
-            .ok_or(Error::UnknownPointer(addr))?;
+    /// Closes the range imported at `addr`, ordered on `stream`: an event is recorded there
+    /// and the range stays mapped until it completes, i.e. until the work queued on `stream`
+    /// before the close no longer reads it. Nothing waits here; the unmap and release happen
+    /// in a later [`Imports::process_closing`] (at once if the event has already completed).
+    /// Work of other streams is not waited for: a range used there must be ordered before
+    /// the close by the caller, as with PyTorch's own IPC deleter (which synchronizes only the
+    /// current stream). If the event cannot be recorded the range stays open and the error is
+    /// returned.
+    pub fn close<D: Device>(&mut self, dev: &D, addr: DevicePtr, stream: StreamId) -> Result<()> {
+        if !self.ranges.contains_key(&addr) {
+            return Err(Error::UnknownPointer(addr));
+        }
+        let event = match self.event_pool.pop() {
+            Some(e) => e,
+            None => dev.create_event()?,
+        };
+        if let Err(e) = dev.record_event(event, stream) {
+            self.event_pool.push(event);
+            return Err(e.into());
+        }
+        let import = self.ranges.remove(&addr).expect("checked above");
+        self.closing.push_back(Closing {
+            addr,
+            import,
+            event,
+        });
+        self.process_closing(dev, false)
+    }
+
+    /// Unmaps and releases closed ranges whose events have completed, in close order; with
+    /// `wait`, first waits for each remaining event ([`Device::wait_event`]: that stream only),
+    /// for shutdown. A range whose event query fails stays queued (and the error is returned).
+    pub fn process_closing<D: Device>(&mut self, dev: &D, wait: bool) -> Result<()> {
+        let mut first_err: Option<Error> = None;
+        let mut i = 0;
+        while i < self.closing.len() {
+            let event = self.closing[i].event;
+            let done = if wait {
+                dev.wait_event(event).map(|()| true)
+            } else {
+                dev.query_event(event)
+            };
+            match done {
+                Ok(true) => {
+                    let c = self.closing.remove(i).expect("index in range");
+                    self.event_pool.push(c.event);
+                    if let Err(e) = self.release(dev, c.addr, c.import) {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                Ok(false) => i += 1,
+                Err(e) => {
+                    first_err.get_or_insert(e.into());
+                    i += 1;
+                }
+            }
+        }
+        match first_err {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Closed ranges still mapped, waiting for their event.
+    pub fn closing(&self) -> usize {
+        self.closing.len()
+    }
+
+    /// Whether `addr` is a closed range still waiting for its event.
+    pub fn is_closing(&self, addr: DevicePtr) -> bool {
+        self.closing.iter().any(|c| c.addr == addr)
+    }
+
+    /// Waits for every closing range and releases it, releases every open range, and destroys
+    /// the events (shutdown).
+    pub fn shutdown<D: Device>(&mut self, dev: &D) {
+        let _ = self.process_closing(dev, true);
+        for (addr, imp) in std::mem::take(&mut self.ranges) {
+            let _ = self.release(dev, addr, imp);
+        }
+        for e in self.event_pool.drain(..) {
+            let _ = dev.destroy_event(e);
+        }
+    }
+
+    /// Unmaps and releases one range taken out of the registry.
+    fn release<D: Device>(&mut self, dev: &D, addr: DevicePtr, imp: Import) -> Result<()> {
         self.bytes -= imp.size;
         let mut first_err = None;
         for i in 0..imp.handles.len() as u64 {
@@ -259,7 +354,7 @@ impl Imports {
         }
     }
 
-    /// Whether `ptr` lies in an imported range.
+    /// Whether `ptr` lies in an open imported range (not one being closed).
     pub fn contains(&self, ptr: DevicePtr) -> bool {
         self.ranges
             .range(..=ptr)
@@ -267,22 +362,26 @@ impl Imports {
             .is_some_and(|(&a, imp)| ptr < a + imp.size)
     }
 
-    /// Imported ranges as (address, bytes).
+    /// Ranges mapped now, open and closing, as (address, bytes).
     pub fn ranges(&self) -> impl Iterator<Item = (DevicePtr, u64)> + '_ {
-        self.ranges.iter().map(|(&a, imp)| (a, imp.size))
+        self.ranges
+            .iter()
+            .map(|(&a, imp)| (a, imp.size))
+            .chain(self.closing.iter().map(|c| (c.addr, c.import.size)))
     }
 
-    /// Bytes mapped by imports now.
+    /// Bytes mapped by imports now (closing ranges included).
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
 
+    /// Ranges mapped now (closing ranges included).
     pub fn len(&self) -> usize {
-        self.ranges.len()
+        self.ranges.len() + self.closing.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ranges.is_empty()
+        self.len() == 0
     }
 }
 

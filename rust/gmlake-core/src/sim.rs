@@ -60,6 +60,9 @@ struct PendingOp {
     stream: StreamId,
     what: &'static str,
     kind: OpKind,
+    /// The device virtual range the work reaches memory through (a kernel's pointer): while it
+    /// is queued, unmapping that range is a fault on a GPU.
+    via: Option<(DevicePtr, u64)>,
 }
 
 impl PendingOp {
@@ -126,8 +129,9 @@ struct SimState {
     /// start -> (size, handle, access granted)
     mappings: BTreeMap<u64, (u64, u64, bool)>,
     next_event: u64,
-    /// event -> pending (recorded, not yet completed)
-    events: FxHashMap<u64, bool>,
+    /// event -> the stream it was recorded on while that record is still pending (`None`:
+    /// completed, or never recorded)
+    events: FxHashMap<u64, Option<StreamId>>,
     calls: DriverCalls,
     /// Pinned host buffers: start -> size.
     host: BTreeMap<u64, u64>,
@@ -147,8 +151,9 @@ struct SimState {
 pub struct SimDevice {
     capacity: u64,
     granularity: u64,
-    /// When true, recorded events stay pending until [`SimDevice::complete_all`] or
-    /// `synchronize`, modelling kernels still in flight.
+    /// When true, recorded events stay pending until [`SimDevice::complete_all`],
+    /// [`SimDevice::complete_stream`], `synchronize` or `wait_event`, modelling kernels still
+    /// in flight.
     asynchronous: bool,
     /// Whether fills and copies model contents (off for fast replays of large traces).
     contents: bool,
@@ -203,7 +208,18 @@ impl SimDevice {
     pub fn complete_all(&self) {
         let mut st = self.state.lock();
         st.run_queued();
-        st.events.values_mut().for_each(|p| *p = false);
+        st.events.values_mut().for_each(|p| *p = None);
+    }
+
+    /// Completes the work queued on `stream` only (other streams stay busy): its fills and
+    /// copies run, in issue order, and the events recorded on it complete.
+    pub fn complete_stream(&self, stream: StreamId) {
+        self.state.lock().complete_stream(stream);
+    }
+
+    /// Whether `event` is recorded and not yet complete, and on which stream.
+    pub fn pending_on(&self, event: EventHandle) -> Option<StreamId> {
+        self.state.lock().events.get(&event.0).copied().flatten()
     }
 
     /// Writes a pattern derived from `seed` into `len` bytes at device address `addr`, queued on
@@ -219,6 +235,7 @@ impl SimDevice {
                 stream,
                 what: "fill",
                 kind: OpKind::Fill { dst, seed },
+                via: Some((addr, len)),
             },
         );
         Ok(())
@@ -511,6 +528,21 @@ impl SimState {
         }
     }
 
+    fn complete_stream(&mut self, stream: StreamId) {
+        let (mine, rest): (Vec<PendingOp>, Vec<PendingOp>) = std::mem::take(&mut self.queued)
+            .into_iter()
+            .partition(|op| op.stream == stream);
+        self.queued = rest;
+        for op in mine {
+            self.run(op);
+        }
+        for p in self.events.values_mut() {
+            if *p == Some(stream) {
+                *p = None;
+            }
+        }
+    }
+
     fn reservation_containing(&self, addr: u64, size: u64) -> Option<(u64, u64)> {
         let (&s, &len) = self.reservations.range(..=addr).next_back()?;
         (addr + size <= s + len).then_some((s, len))
@@ -660,6 +692,18 @@ impl Device for SimDevice {
         st.calls.unmap += 1;
         match st.mappings.get(&addr) {
             Some(&(l, handle, _)) if l == size as u64 => {
+                let end = addr + l;
+                if let Some(op) = st.queued.iter().find(|op| {
+                    op.via
+                        .is_some_and(|(a, n)| a < end && addr < a.saturating_add(n))
+                }) {
+                    let msg = format!(
+                        "unmap of {addr:#x}+{l:#x} while a queued {} on stream {:#x} reaches \
+                         memory through it",
+                        op.what, op.stream
+                    );
+                    st.hazards.push(msg);
+                }
                 st.mappings.remove(&addr);
                 if let Some(h) = st.handles.get_mut(&handle) {
                     h.mappings -= 1;
@@ -709,7 +753,7 @@ impl Device for SimDevice {
         st.calls.create_event += 1;
         let id = st.next_event;
         st.next_event += 1;
-        st.events.insert(id, false);
+        st.events.insert(id, None);
         Ok(EventHandle(id))
     }
 
@@ -721,12 +765,12 @@ impl Device for SimDevice {
         }
     }
 
-    fn record_event(&self, event: EventHandle, _stream: StreamId) -> DeviceResult<()> {
+    fn record_event(&self, event: EventHandle, stream: StreamId) -> DeviceResult<()> {
         let mut st = self.state.lock();
         st.calls.record_event += 1;
         match st.events.get_mut(&event.0) {
             Some(p) => {
-                *p = self.asynchronous;
+                *p = self.asynchronous.then_some(stream);
                 Ok(())
             }
             None => invalid(format!("record of unknown event {}", event.0)),
@@ -737,7 +781,7 @@ impl Device for SimDevice {
         let mut st = self.state.lock();
         st.calls.query_event += 1;
         match st.events.get(&event.0) {
-            Some(p) => Ok(!*p),
+            Some(p) => Ok(p.is_none()),
             None => invalid(format!("query of unknown event {}", event.0)),
         }
     }
@@ -746,8 +790,23 @@ impl Device for SimDevice {
         let mut st = self.state.lock();
         st.calls.synchronize += 1;
         st.run_queued();
-        st.events.values_mut().for_each(|p| *p = false);
+        st.events.values_mut().for_each(|p| *p = None);
         Ok(())
+    }
+
+    /// Completes the event's stream (its queued work runs): the GPU finished what was queued
+    /// there before the record, and possibly more.
+    fn wait_event(&self, event: EventHandle) -> DeviceResult<()> {
+        let mut st = self.state.lock();
+        st.calls.synchronize += 1;
+        match st.events.get(&event.0) {
+            Some(&Some(stream)) => {
+                st.complete_stream(stream);
+                Ok(())
+            }
+            Some(None) => Ok(()),
+            None => invalid(format!("wait for unknown event {}", event.0)),
+        }
     }
 
     fn alloc_host(&self, size: usize) -> DeviceResult<HostPtr> {
@@ -796,6 +855,7 @@ impl Device for SimDevice {
                 stream,
                 what: "copy_d2h_async",
                 kind: OpKind::Copy { src: s, dst: d },
+                via: Some((src, len as u64)),
             },
         );
         Ok(())
@@ -819,6 +879,7 @@ impl Device for SimDevice {
                 stream,
                 what: "copy_h2d_async",
                 kind: OpKind::Copy { src: s, dst: d },
+                via: Some((dst, len as u64)),
             },
         );
         Ok(())
@@ -922,13 +983,43 @@ mod tests {
         d.copy_d2h_async(h, a, P, 1).unwrap();
         d.fill(a, 512, 8, 2).unwrap();
         assert_eq!(d.hazards().len(), 1, "{:?}", d.hazards());
-        // Freeing the buffer or releasing the page under queued work: hazards too.
+        // Freeing the buffer, unmapping the range the work reaches memory through, or
+        // releasing the page under queued work: hazards too.
         d.free_host(h).unwrap();
         d.unmap(a, P).unwrap();
         d.release_physical(hs[0]).unwrap();
-        assert_eq!(d.hazards().len(), 3, "{:?}", d.hazards());
+        assert_eq!(d.hazards().len(), 4, "{:?}", d.hazards());
+        assert!(d.hazards()[2].contains("unmap"), "{:?}", d.hazards());
         d.synchronize().unwrap();
         assert_eq!(d.queued_ops(), 0);
+    }
+
+    #[test]
+    fn streams_complete_separately() {
+        let d = SimDevice::new(8 * P as u64).asynchronous();
+        let (a, _) = mapped(&d, 2);
+        d.fill(a, P as u64, 1, 1).unwrap();
+        d.fill(a + P as u64, P as u64, 2, 2).unwrap();
+        let (e1, e2) = (d.create_event().unwrap(), d.create_event().unwrap());
+        d.record_event(e1, 1).unwrap();
+        d.record_event(e2, 2).unwrap();
+        assert_eq!((d.pending_on(e1), d.pending_on(e2)), (Some(1), Some(2)));
+        d.complete_stream(2);
+        assert!(!d.query_event(e1).unwrap() && d.query_event(e2).unwrap());
+        assert_eq!(d.queued_ops(), 1, "stream 1's fill is still queued");
+        // Waiting for an event completes its stream only.
+        let e3 = d.create_event().unwrap();
+        d.fill(a + P as u64, P as u64, 3, 2).unwrap();
+        d.record_event(e3, 2).unwrap();
+        d.wait_event(e1).unwrap();
+        assert!(d.query_event(e1).unwrap() && !d.query_event(e3).unwrap());
+        assert_eq!(
+            d.checksum(a, P as u64).unwrap(),
+            SimDevice::fill_checksum(P as u64, 1)
+        );
+        d.complete_all();
+        assert!(d.query_event(e3).unwrap());
+        assert!(d.hazards().is_empty(), "{:?}", d.hazards());
     }
 
     #[test]

@@ -869,3 +869,47 @@ fn stats_equal_what_the_snapshot_adds_up() {
     check(&a, 400);
     a.verify().unwrap();
 }
+
+/// Issue 20: waiting for the GPU before memory is released or moved (empty_cache, an
+/// out-of-memory retry) waits for the streams that used the allocator's free memory, with
+/// the lock held, never for the whole device: a stream busy with other work (a long kernel,
+/// a collective waiting for a peer) is not waited for. Memory is still never released or
+/// reused before the work of its own stream (and of record_stream's streams) completes: the
+/// simulated device flags a release under queued work.
+#[test]
+fn waits_before_release_cover_the_allocators_streams_only() {
+    let (dev, a) = setup_async(64 * MIB, Config::default());
+    // A long kernel on stream 9 on memory that stays live.
+    let busy = a.allocate(4 * MIB, 9).unwrap();
+    dev.fill(busy, 4 * MIB, 1, 9).unwrap();
+    // Work on stream 1, and on stream 3 through record_stream, then both blocks freed.
+    let p = a.allocate(8 * MIB, 1).unwrap();
+    dev.fill(p, 8 * MIB, 2, 1).unwrap();
+    let q = a.allocate(8 * MIB, 1).unwrap();
+    a.record_stream(q, 3).unwrap();
+    dev.fill(q, 8 * MIB, 3, 3).unwrap();
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    a.empty_cache().unwrap();
+    assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
+    assert_eq!(dev.queued_ops(), 1, "only stream 9's kernel is left");
+    assert_eq!(a.stats().reserved_bytes.aggregate().current as u64, 4 * MIB);
+    assert_eq!(a.stats().pending_frees, 0);
+
+    // An out-of-memory retry on stream 2 takes stream 1's freed pages after waiting for
+    // stream 1 only.
+    let r = a.allocate(40 * MIB, 1).unwrap();
+    dev.fill(r, 40 * MIB, 4, 1).unwrap();
+    a.free(r).unwrap();
+    let s0 = a.stats().num_sync_all_streams;
+    let t = a.allocate(56 * MIB, 2).unwrap();
+    assert!(a.stats().num_sync_all_streams > s0);
+    assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
+    assert_eq!(dev.queued_ops(), 1, "stream 9 was not waited for");
+    a.verify().unwrap();
+    a.free(t).unwrap();
+    a.free(busy).unwrap();
+    dev.complete_all();
+    a.empty_cache().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+}

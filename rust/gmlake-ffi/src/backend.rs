@@ -102,8 +102,9 @@ pub trait Core: Send + Sync {
     /// Maps a page handle made by `share_ipc` (here or in PyTorch's native allocator) of
     /// another process; returns the address of the first page.
     fn open_ipc(&self, handle: &[u8]) -> Result<DevicePtr>;
-    /// Unmaps a range made by `open_ipc`.
-    fn close_ipc(&self, ptr: DevicePtr) -> Result<()>;
+    /// Closes a range made by `open_ipc`, ordered on `stream` (unmapped once the work queued
+    /// there before the close has completed; see `Allocator::close_imported`).
+    fn close_ipc(&self, ptr: DevicePtr, stream: StreamId) -> Result<()>;
     /// A host tier over this allocator (issue 16; `crate::tier`).
     fn new_tier(
         &self,
@@ -261,8 +262,8 @@ impl<D: Device + PeerAccess + 'static> Core for Arc<Allocator<CaptureAware<D>>> 
         }
         self.import_pages(handles, page_size)
     }
-    fn close_ipc(&self, ptr: DevicePtr) -> Result<()> {
-        self.close_imported(ptr)
+    fn close_ipc(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
+        self.close_imported(ptr, stream)
     }
     fn new_tier(
         &self,

@@ -13,7 +13,7 @@
 //!   replaces it);
 //! - `query_event` answers "not complete" without calling the driver, for every event while
 //!   a capture is underway and for deferred events until they are really recorded;
-//! - `synchronize` fails with an error instead of breaking the capture.
+//! - `synchronize` and `wait_event` fail with an error instead of breaking the capture.
 //!
 //! When the last capture ends, deferred events are recorded on their streams: each then
 //! completes after all work queued on its stream so far, which covers every use made before
@@ -177,6 +177,19 @@ impl<D: Device> Device for CaptureAware<D> {
             });
         }
         self.inner.synchronize()
+    }
+    fn wait_event(&self, event: EventHandle) -> DeviceResult<()> {
+        // A deferred event is not recorded until the capture ends: waiting for it now would
+        // never end (and cuEventSynchronize is as illegal as cuCtxSynchronize meanwhile).
+        if self.captures.load(Ordering::Acquire) != 0 || self.is_deferred(event) {
+            return Err(DeviceError::Driver {
+                call: "cuEventSynchronize",
+                code: 900,
+                message: "not permitted while a CUDA graph capture (or a pool routing) is underway"
+                    .into(),
+            });
+        }
+        self.inner.wait_event(event)
     }
     fn alloc_host(&self, size: usize) -> DeviceResult<gmlake_core::HostPtr> {
         self.inner.alloc_host(size)

@@ -397,8 +397,10 @@ pub mod ffi {
         fn share_ipc(self: &Gmlake, ptr: u64) -> Result<IpcShare>;
         /// Maps the pages of a page handle of another process; returns the range's address.
         fn open_ipc(self: &Gmlake, handle: &[u8]) -> Result<u64>;
-        /// Waits for the device, then unmaps a range made by `open_ipc`.
-        fn close_ipc(self: &Gmlake, ptr: u64) -> Result<()>;
+        /// Closes a range made by `open_ipc`, ordered on `stream` (the deleter's current
+        /// stream): it is unmapped once the work queued there before the close has completed,
+        /// by a later call (nothing waits here).
+        fn close_ipc(self: &Gmlake, ptr: u64, stream: u64) -> Result<()>;
     }
 }
 
@@ -1023,8 +1025,10 @@ impl Gmlake {
         guard("open_ipc", || self.core.open_ipc(handle).map_err(core_err))
     }
 
-    fn close_ipc(&self, ptr: u64) -> Result<(), String> {
-        guard("close_ipc", || self.core.close_ipc(ptr).map_err(core_err))
+    fn close_ipc(&self, ptr: u64, stream: u64) -> Result<(), String> {
+        guard("close_ipc", || {
+            self.core.close_ipc(ptr, stream).map_err(core_err)
+        })
     }
 }
 

@@ -226,9 +226,9 @@ fn ipc_share_open_close_through_the_bridge() {
         .stats_json()
         .unwrap()
         .contains("\"gmlake.ipc_imported_bytes\":6291456"));
-    a.close_ipc(base).unwrap();
+    a.close_ipc(base, 0).unwrap();
     assert!(a
-        .close_ipc(base)
+        .close_ipc(base, 0)
         .unwrap_err()
         .contains("not allocated by gmlake"));
     assert_eq!(a.stats().unwrap().ipc_imports, 0);

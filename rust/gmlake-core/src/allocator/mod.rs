@@ -34,6 +34,7 @@ use crate::stats::{BlockInfo, BlockState, DeviceStats, PoolKind, SegmentInfo, Sn
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Allocation granularity of blocks (PyTorch's kMinBlockSize).
 pub const BLOCK_ROUND: u64 = 512;
@@ -145,6 +146,9 @@ pub struct Allocator<D: Device> {
     state: Mutex<State>,
     /// Ranges imported from other processes. Lock order: `state` before `imports`.
     imports: Mutex<Imports>,
+    /// Closed imports still mapped (`Imports::closing`), read without the lock so that
+    /// allocator calls look at them only when there are some.
+    imports_closing: AtomicUsize,
 }
 
 macro_rules! drv {
@@ -264,6 +268,7 @@ impl<D: Device> Allocator<D> {
             device,
             state: Mutex::new(state),
             imports: Mutex::new(Imports::default()),
+            imports_closing: AtomicUsize::new(0),
         })
     }
 
@@ -292,6 +297,7 @@ impl<D: Device> Allocator<D> {
             return Ok(0);
         }
         round_request(size)?;
+        self.process_closed_imports();
         let mut st = self.state.lock();
         let rounded = st.cfg.round_size(size);
         match st.allocate(&self.device, size, rounded, stream, pool) {
@@ -377,6 +383,7 @@ impl<D: Device> Allocator<D> {
         if ptr == 0 {
             return Ok(());
         }
+        self.process_closed_imports();
         let mut st = self.state.lock();
         st.free(&self.device, ptr)?;
         if st.debug.is_some() {
@@ -404,6 +411,7 @@ impl<D: Device> Allocator<D> {
     /// Returns every cached page to the device (after waiting for the device), and frees
     /// virtual ranges that hold nothing. Live allocations and live graph pools are kept.
     pub fn empty_cache(&self) -> Result<()> {
+        self.process_closed_imports();
         let mut st = self.state.lock();
         if st.captures > 0 {
             return Ok(());
@@ -482,6 +490,7 @@ impl<D: Device> Allocator<D> {
     /// end to end is cached memory, not a split one. The running counters (peak, allocated,
     /// freed) count every free mapped block.
     pub fn stats(&self) -> DeviceStats {
+        self.process_closed_imports();
         let st = self.state.lock();
         let mut s = st.stats.clone();
         for a in &st.arenas {
@@ -597,23 +606,49 @@ impl<D: Device> Allocator<D> {
     /// bytes; ownership passes to the allocator, also on failure) into a new range with
     /// access for this device and its peers, and returns its address.
     pub fn import_pages(&self, handles: Vec<PhysHandle>, page_size: u64) -> Result<DevicePtr> {
-        self.imports.lock().map(&self.device, handles, page_size)
+        let mut imp = self.imports.lock();
+        self.process_closing_locked(&mut imp);
+        imp.map(&self.device, handles, page_size)
     }
 
-    /// Unmaps a range made by [`Allocator::import_pages`] and releases its pages, after
-    /// waiting for the device's work (which may still read the range), as PyTorch does when it
-    /// closes an imported expandable segment. Fails during a CUDA graph capture.
-    pub fn close_imported(&self, ptr: DevicePtr) -> Result<()> {
+    /// Closes a range made by [`Allocator::import_pages`], ordered on `stream` (the stream
+    /// PyTorch's IPC deleter runs on, whose work it then waits for): an event is recorded
+    /// there, and the range is unmapped and its pages released once that event has completed
+    /// — at once if it already has, else by a later allocator call (allocate, free,
+    /// `empty_cache`, `stats`, another import or close) or at shutdown. Nothing here waits for
+    /// the GPU, so no lock and no caller's lock (Python's GIL in the deleter) is held across
+    /// a wait, and work on other streams is never waited for. Fails during a CUDA graph
+    /// capture.
+    pub fn close_imported(&self, ptr: DevicePtr, stream: StreamId) -> Result<()> {
         if self.state.lock().captures > 0 {
             return Err(Error::InvalidState(format!(
                 "cannot close the imported range {ptr:#x} while a CUDA graph is captured"
             )));
         }
-        if !self.imports.lock().contains(ptr) {
-            return Err(Error::UnknownPointer(ptr));
+        let mut imp = self.imports.lock();
+        let r = imp.close(&self.device, ptr, stream);
+        self.imports_closing.store(imp.closing(), Ordering::Release);
+        r
+    }
+
+    /// Unmaps and releases closed imports whose events have completed (no waiting). Allocator
+    /// calls do it; for callers that want the memory back without one.
+    pub fn process_closed_imports(&self) {
+        if self.imports_closing.load(Ordering::Acquire) == 0 {
+            return;
         }
-        self.device.synchronize()?;
-        self.imports.lock().close(&self.device, ptr)
+        let mut imp = self.imports.lock();
+        self.process_closing_locked(&mut imp);
+    }
+
+    fn process_closing_locked(&self, imp: &mut Imports) {
+        if imp.closing() == 0 {
+            return;
+        }
+        if let Err(e) = imp.process_closing(&self.device, false) {
+            tracing::warn!("gmlake: releasing a closed IPC import failed: {e}");
+        }
+        self.imports_closing.store(imp.closing(), Ordering::Release);
     }
 
     /// Grants access again on every range mapped now (blocks, retired aliases, imports), with
@@ -686,10 +721,9 @@ fn drv_plain<D: Device>(dev: &D, start: u64, len: u64) -> Result<()> {
 
 impl<D: Device> Drop for Allocator<D> {
     fn drop(&mut self) {
-        let imports: Vec<DevicePtr> = self.imports.get_mut().ranges().map(|r| r.0).collect();
-        for addr in imports {
-            let _ = self.imports.get_mut().close(&self.device, addr);
-        }
+        // Closed imports are released once their stream is past the close (a wait for those
+        // events only, with no lock held); open ones at once, as before.
+        self.imports.get_mut().shutdown(&self.device);
         let st = self.state.get_mut();
         // Live allocations leak with their pages; everything cached goes back.
         if st.captures == 0 {

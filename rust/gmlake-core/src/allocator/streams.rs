@@ -187,16 +187,67 @@ impl State {
         Ok(())
     }
 
-    /// Waits for the device; then every fence, pending free and retired range completes.
+    /// Waits for the allocator's own work, not the device's: an event recorded now on the
+    /// stream of every arena holding free or lent memory and of every pending free's block,
+    /// and the events of pending frees and retired ranges, each waited for (`Device::wait_event`). Then those streams' fences,
+    /// every pending free and every retired range complete. Streams that hold none of the
+    /// allocator's free memory (a side stream running a long kernel, a collective waiting for
+    /// a peer) are not waited for, where `cuCtxSynchronize` waited for them with the lock held.
     pub(super) fn synchronize_all<D: Device>(&mut self, dev: &D) -> Result<()> {
         if self.captures > 0 {
             return Ok(());
         }
-        drv!(self, synchronize, dev.synchronize())?;
+        // Pending frees whose events a capture deferred: record them now.
+        for i in 0..self.pending.len() {
+            if self.pending[i].events.is_empty() {
+                let ptr = self.pending[i].ptr;
+                let events = self.record_on_extra_streams(dev, ptr)?;
+                self.pending[i].events = events;
+            }
+        }
+        let mut streams: Vec<StreamId> = self
+            .arenas
+            .iter()
+            .filter(|a| a.free_mapped_bytes > 0 || a.stealable_pages > 0 || a.lent_pages() > 0)
+            .map(|a| a.key.stream)
+            .collect();
+        // A pending free becomes a free block of its own stream below.
+        streams.extend(
+            self.pending
+                .iter()
+                .filter_map(|p| self.live.get(&p.ptr).map(|b| b.stream)),
+        );
+        streams.sort_unstable();
+        streams.dedup();
+        let mut fresh = Vec::with_capacity(streams.len());
+        for &s in &streams {
+            let e = self.get_event(dev)?;
+            fresh.push(e);
+            if let Err(err) = drv!(self, record_event, dev.record_event(e, s)) {
+                self.event_pool.extend(fresh);
+                return Err(err.into());
+            }
+        }
+        let waits: Vec<EventHandle> = fresh
+            .iter()
+            .copied()
+            .chain(self.pending.iter().flat_map(|p| p.events.iter().copied()))
+            .chain(self.retired.iter().flat_map(|b| b.events.iter().copied()))
+            .collect();
+        let mut waited = Ok(());
+        for e in waits {
+            if let Err(err) = drv!(self, synchronize, dev.wait_event(e)) {
+                waited = Err(err);
+                break;
+            }
+        }
+        self.event_pool.extend(fresh);
+        waited?;
         self.stats.num_sync_all_streams += 1;
         let now = self.now;
         let mut freed = Vec::new();
-        for f in self.fences.values_mut() {
+        for s in streams {
+            let f = self.fences.entry(s).or_default();
             if let Some((e, _)) = f.pending.take() {
                 freed.push(e);
             }
