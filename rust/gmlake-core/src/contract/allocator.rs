@@ -727,7 +727,7 @@ fn aliases_beyond_the_bound<T: Target>(t: &T) -> CaseResult {
     a.allocate(40 * MIB, 0).step("allocate")?;
     // Once the GPU is done with the old mappings, a slow path processes the retirements.
     t.complete_all(a.device()).step("complete_all")?;
-    a.allocate(2 * MIB, 5).step("allocate")?;
+    a.allocate(2 * MIB, 1).step("allocate")?;
     let s = a.stats();
     ensure(s.aliased_bytes == 0, || {
         format!("{} bytes aliased", s.aliased_bytes)
@@ -747,11 +747,11 @@ fn graph_pools_keep_their_pages<T: Target>(t: &T) -> CaseResult {
     let a = setup(t, 1 << 30, Config::default())?;
     let pool = GraphPoolId(1, 0);
     a.begin_allocate_to_pool(pool);
-    let g = a.allocate_in(40 * MIB, 7, pool).step("allocate_in")?;
+    let g = a.allocate_in(40 * MIB, 1, pool).step("allocate_in")?;
     a.end_allocate_to_pool(pool);
     a.free(g).step("free")?;
     // The default pool neither reuses nor stitches the pool's free pages.
-    let d = a.allocate(40 * MIB, 7).step("allocate")?;
+    let d = a.allocate(40 * MIB, 1).step("allocate")?;
     ensure(d != g, || {
         "the default pool took the graph pool's block".into()
     })?;
@@ -768,7 +768,7 @@ fn graph_pools_keep_their_pages<T: Target>(t: &T) -> CaseResult {
     })?;
     // The same pool reuses its block.
     ensure(
-        a.allocate_in(40 * MIB, 7, pool).step("allocate_in")? == g,
+        a.allocate_in(40 * MIB, 1, pool).step("allocate_in")? == g,
         || "the pool did not reuse its block".into(),
     )?;
     a.free(g).step("free")?;
@@ -784,15 +784,15 @@ fn allocate_at<T: Target>(t: &T) -> CaseResult {
     let a = setup(t, 1 << 30, Config::default())?;
     let pool = GraphPoolId(3, 1);
     a.begin_allocate_to_pool(pool);
-    let p = a.allocate_in(6 * MIB, 4, pool).step("allocate_in")?;
-    let q = a.allocate_in(64 << 10, 4, pool).step("allocate_in")?;
+    let p = a.allocate_in(6 * MIB, 1, pool).step("allocate_in")?;
+    let q = a.allocate_in(64 << 10, 1, pool).step("allocate_in")?;
     a.end_allocate_to_pool(pool);
     a.free(p).step("free")?;
     a.free(q).step("free")?;
     // Back at the checkpoint: both are live again, at their addresses.
-    a.allocate_at(p, 6 * MIB, 6 * MIB, 4, pool)
+    a.allocate_at(p, 6 * MIB, 6 * MIB, 1, pool)
         .step("allocate_at")?;
-    a.allocate_at(q, 64 << 10, 1000, 4, pool)
+    a.allocate_at(q, 64 << 10, 1000, 1, pool)
         .step("allocate_at")?;
     ensure(a.allocation(p).map(|i| i.size) == Some(6 * MIB), || {
         "p not live".into()
@@ -807,24 +807,24 @@ fn allocate_at<T: Target>(t: &T) -> CaseResult {
         })
     };
     invalid(
-        a.allocate_at(p, 6 * MIB, 1, 4, pool),
+        a.allocate_at(p, 6 * MIB, 1, 1, pool),
         "allocate_at of a live block",
     )?;
     invalid(
-        a.allocate_at(p, 6 * MIB, 1, 4, GraphPoolId::DEFAULT),
+        a.allocate_at(p, 6 * MIB, 1, 1, GraphPoolId::DEFAULT),
         "allocate_at in the wrong pool",
     )?;
     a.free(p).step("free")?;
     invalid(
-        a.allocate_at(p, 1 << 29, 1, 4, pool),
+        a.allocate_at(p, 1 << 29, 1, 1, pool),
         "allocate_at past the free block",
     )?;
     invalid(
-        a.allocate_at(0x1000, 2 * MIB, 1, 4, pool),
+        a.allocate_at(0x1000, 2 * MIB, 1, 1, pool),
         "allocate_at of unknown memory",
     )?;
     // A part of a free block can be re-created too.
-    a.allocate_at(p + 2 * MIB, 2 * MIB, 2 * MIB, 4, pool)
+    a.allocate_at(p + 2 * MIB, 2 * MIB, 2 * MIB, 1, pool)
         .step("allocate_at of a part of a free block")?;
     verify(&a)
 }
@@ -1024,12 +1024,12 @@ fn stats_equal_the_snapshot<T: Target>(t: &T) -> CaseResult {
 fn allocation_lookup_and_history<T: Target>(t: &T) -> CaseResult {
     let a = setup2(t, 1 << 30, Config::default())?;
     a.set_history(100);
-    let p = a.allocate(3 * MIB, 5).step("allocate")?;
+    let p = a.allocate(3 * MIB, 1).step("allocate")?;
     let info = a
         .allocation(p + 1234)
         .ok_or("no allocation at an interior address")?;
     ensure(
-        (info.ptr, info.size, info.stream) == (p, 3 * MIB, 5),
+        (info.ptr, info.size, info.stream) == (p, 3 * MIB, 1),
         || format!("{info:?}"),
     )?;
     ensure(a.pages_of(p).map(|v| v.len()) == Some(2), || {
@@ -1066,7 +1066,7 @@ fn auto_gc<T: Target>(t: &T) -> CaseResult {
         let _live = checkerboard(&a, 0)?;
         a.allocate(12 * MIB, 0).step("allocate")?;
         t.complete_all(a.device()).step("complete_all")?;
-        a.allocate(PAGE, 9).step("allocate")?;
+        a.allocate(PAGE, 1).step("allocate")?;
         verify(&a)?;
         let s = a.stats();
         ensure(s.stitches >= 1, || "no stitch".into())?;
@@ -1221,9 +1221,9 @@ fn retired_mappings_wait<T: Target>(t: &T) -> CaseResult {
     })?;
     let mappings = census(t, a.device()).map(|c| c.mappings);
     t.complete_all(a.device()).step("complete_all")?;
-    // A slow path that stitches nothing (stream 9's fence is not complete) processes the
+    // A slow path that stitches nothing (stream 1's fence is not complete) processes the
     // completed retirements.
-    a.allocate(64 * MIB, 9).step("allocate")?;
+    a.allocate(64 * MIB, 1).step("allocate")?;
     ensure(a.stats().retired_bytes == 0, || {
         "retirements not processed".into()
     })?;

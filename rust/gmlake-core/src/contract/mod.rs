@@ -13,6 +13,10 @@
 //! `tests/mock_driver.rs`) and on a real GPU (`gmlake-cuda`'s `examples/contract.rs`,
 //! `scripts/contract-gpu.sh`).
 //!
+//! Streams: the cases use streams 0, 1 and 2 only, valid on every CUDA device without creating
+//! any: the legacy default stream and the special handles `CU_STREAM_LEGACY` (0x1) and
+//! `CU_STREAM_PER_THREAD` (0x2). The allocator treats them as three streams.
+//!
 //! Cases whose misuse of the driver is undefined behaviour in the real CUDA driver (using a
 //! released handle, releasing a handle twice) or that the real driver is documented to allow
 //! (releasing a mapped handle, which it defers) are marked [`Only::Models`] with the reason,
