@@ -9,8 +9,12 @@
 #         libgmlake_torch.so      the library under test (debug info stripped)
 #         libgmlake_ffi.a         the Rust staticlib, and cxxbridge/ its C++ headers, for the
 #                                 CMake build against the GPU machine's own torch
+#         contract                the contract suite's binary (gmlake-cuda's example, release)
 #
 #   scripts/gpu-suite.sh [pytest args...]     (on the GPU machine)
+#       0. runs the contract suite on the GPU (scripts/contract-gpu.sh: the device trait's driver
+#          rules and the allocator's behaviour through CudaDevice, one line per case) when its
+#          binary or cargo is there; GMLAKE_SKIP_CONTRACT=1 skips it;
 #       1. prints the GPU, driver, torch, and the library's build info;
 #       2. builds libgmlake_torch.so there with cmake against the installed torch and the
 #          carried staticlib (in the background; a check of the CMake route: its result is
@@ -21,7 +25,7 @@
 #       4. prints a summary: tests passed/failed, and the training table (utilization and
 #          median step time under native, expandable segments and gmlake).
 #
-# Logs go to $OUT when set (else build/gpu-suite/): suite.log (pytest -v), junit.xml,
+# Logs go to $OUT when set (else build/gpu-suite/): contract.log, suite.log (pytest -v), junit.xml,
 # cases.log (every case's output), training.json, device-build.log, summary.txt.
 # GMLAKE_LIBRARY overrides the library tested; PYTHON the interpreter (default python3).
 # GMLAKE_WHEEL=.artifacts/wheel/gmlake-...whl: the suite from that wheel instead (installed
@@ -41,6 +45,9 @@ if [ "${1:-}" = "--prepare" ]; then
   cp "${BUILD_DIR:-$ROOT/build/torch-ext}/gmlake_peer_copy_test" "$ART/gmlake_peer_copy_test"
   rm -rf "$ART/cxxbridge"
   cp -rL "$target/cxxbridge" "$ART/cxxbridge"
+  cargo build --release -p gmlake-cuda --example contract
+  cp "$target/release/examples/contract" "$ART/contract"
+  objcopy --strip-debug "$ART/contract"
   du -sh "$ART"/* | sed 's/^/[gpu-suite] /'
   echo "[gpu-suite] prepared $ART: carry .artifacts/gpu to the GPU machine and run scripts/gpu-suite.sh there"
   exit 0
@@ -67,6 +74,15 @@ fi
 export PYTHONUNBUFFERED=1
 : >"$LOG/cases.log"
 start=$SECONDS
+
+contract_status="skipped"
+if [ "${GMLAKE_SKIP_CONTRACT:-0}" != 1 ] && [ -f scripts/contract-gpu.sh ] \
+   && { [ -n "${GMLAKE_CONTRACT_BIN:-}" ] || [ -x "$ART/contract" ] || command -v cargo >/dev/null 2>&1; }; then
+  echo "== contract suite (scripts/contract-gpu.sh)"
+  OUT="$LOG" bash scripts/contract-gpu.sh
+  crc=$?
+  contract_status="$(tail -1 "$LOG/contract.log" 2>/dev/null) (exit $crc)"
+fi
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | head -4
@@ -118,6 +134,7 @@ if [ -n "${GMLAKE_SUITE_FILES:-}" ]; then read -r -a files <<<"$GMLAKE_SUITE_FIL
 "$PY" -m pytest -v -rA --tb=short -p no:cacheprovider --junitxml="$LOG/junit.xml" \
   "${files[@]}" "$@" 2>&1 | tee "$LOG/suite.log"
 rc=${PIPESTATUS[0]}
+case "$contract_status" in *"(exit 1)") [ "$rc" = 0 ] && rc=1 ;; esac
 
 build_status="skipped"
 if [ -n "$build_pid" ]; then
@@ -129,6 +146,7 @@ fi
   grep -E "^(tests/gpu/.*(PASSED|FAILED|ERROR|SKIPPED))" "$LOG/suite.log" | sed 's/ *\[.*%\]//' | sort | uniq
   tail -1 "$LOG/suite.log"
   echo "cmake build against the installed torch: $build_status"
+  echo "contract suite: $contract_status"
   if [ -f "$LOG/training.json" ]; then
     "$PY" - "$LOG/training.json" <<'EOF'
 import json, sys

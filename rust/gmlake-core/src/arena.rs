@@ -1064,3 +1064,407 @@ impl Arena {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::GraphPoolId;
+    use crate::stats::PoolKind;
+
+    const P: u64 = 4096;
+    const BASE: u64 = 0x10_0000;
+
+    fn arena(track_age: bool) -> Arena {
+        let key = ArenaKey {
+            stream: 0,
+            kind: PoolKind::Large,
+            graph_pool: GraphPoolId::DEFAULT,
+        };
+        Arena::new(key, P, track_age)
+    }
+
+    /// Handle of the page at `va` in these tests: its page number.
+    fn h(va: u64) -> PhysHandle {
+        PhysHandle(va / P)
+    }
+
+    /// Places `size` bytes as the allocator does on a miss: maps the pages the placement asks
+    /// for, then carves. Returns the block's address.
+    fn place(a: &mut Arena, size: u64, now: u64) -> u64 {
+        let pl = a.find_placement(size).expect("room for the placement");
+        for i in 0..pl.map_pages {
+            let va = pl.map_start + i * P;
+            a.insert_page(
+                va,
+                Page {
+                    handle: h(va),
+                    stitched: false,
+                },
+            );
+        }
+        a.carve(pl.start, size, now);
+        a.check().unwrap();
+        pl.start
+    }
+
+    fn states(a: &Arena) -> Vec<(u64, u64, &'static str)> {
+        a.blocks()
+            .map(|(addr, b)| {
+                let s = match b.state {
+                    BlockState::Live => "live",
+                    BlockState::FreeMapped { .. } => "free",
+                    BlockState::FreeUnmapped { .. } => "unmapped",
+                    BlockState::Lent { .. } => "lent",
+                    BlockState::Retired => "retired",
+                    BlockState::Quick { .. } => "quick",
+                };
+                ((addr - BASE) / 512, b.size / 512, s)
+            })
+            .collect()
+    }
+
+    /// Units of 512 bytes in these expectations: a page is 8.
+    const U: u64 = P / 512;
+
+    #[test]
+    fn a_new_chunk_is_one_unmapped_block_and_drains_when_empty() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 8 * P);
+        a.check().unwrap();
+        assert_eq!(states(&a), vec![(0, 8 * U, "unmapped")]);
+        assert_eq!(a.find_hit(512, f64::INFINITY), None);
+        let pl = a.find_placement(3 * P).unwrap();
+        assert_eq!(
+            pl,
+            Placement {
+                start: BASE,
+                neighbours: [None, None],
+                map_start: BASE,
+                map_pages: 3,
+            }
+        );
+        assert_eq!(a.find_placement(9 * P), None, "larger than the chunk");
+        assert_eq!(a.drain_empty_chunks(), vec![(BASE, 8 * P)]);
+        assert_eq!(a.blocks().count(), 0);
+        assert_eq!(a.drain_empty_chunks(), vec![], "drained once");
+    }
+
+    #[test]
+    fn interior_counts_whole_pages_only() {
+        let a = arena(false);
+        assert_eq!(a.interior(BASE + P / 2, 3 * P), (BASE + P, 2));
+        assert_eq!(a.interior(BASE, P / 2), (BASE, 0));
+        assert_eq!(a.interior(BASE + 512, P), (BASE + P, 0));
+        assert_eq!(a.interior(BASE, 2 * P), (BASE, 2));
+    }
+
+    #[test]
+    fn a_placement_maps_whole_pages_and_leaves_the_tail_free_mapped() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 8 * P);
+        let p = place(&mut a, P + P / 2, 1);
+        assert_eq!(p, BASE);
+        assert_eq!(
+            states(&a),
+            vec![
+                (0, 3 * U / 2, "live"),
+                (3 * U / 2, U / 2, "free"),
+                (2 * U, 6 * U, "unmapped")
+            ]
+        );
+        assert_eq!((a.live_blocks, a.free_mapped_count), (1, 1));
+        assert_eq!(a.free_mapped_bytes, P / 2);
+        assert_eq!(a.stealable_pages, 0, "the free half page is no whole page");
+        assert_eq!(a.active_pages(), 2);
+        assert_eq!(a.find_hit(P / 2, f64::INFINITY), Some(BASE + 3 * P / 2));
+        // The next placement starts at the free mapped half page, reusing its page, and maps
+        // only pages after it.
+        let pl = a.find_placement(6 * P + P / 2).unwrap();
+        assert_eq!(pl.start, BASE + 3 * P / 2);
+        assert_eq!(pl.neighbours, [Some(BASE + 3 * P / 2), None]);
+        assert_eq!((pl.map_start, pl.map_pages), (BASE + 2 * P, 6));
+        assert_eq!(a.find_placement(6 * P + P / 2 + 512), None);
+        assert_eq!(a.live_containing(BASE + 100), Some((BASE, P + P / 2)));
+        assert_eq!(a.live_containing(BASE + 3 * P / 2), None, "free, not live");
+        assert_eq!(
+            a.block_containing(BASE + 5 * P).map(|(addr, _)| addr),
+            Some(BASE + 2 * P)
+        );
+    }
+
+    #[test]
+    fn release_parks_a_block_in_the_quick_list_of_its_size() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 8 * P);
+        let p = place(&mut a, 3000, 1);
+        assert_eq!(a.release(p, 2), Some(3000));
+        assert_eq!(a.release(p, 3), None, "not live any more");
+        assert_eq!(a.release(BASE + 5 * P, 3), None, "no block there");
+        a.check().unwrap();
+        assert_eq!((a.live_blocks, a.last_free), (0, 2));
+        assert_eq!(
+            a.free_mapped_bytes, P,
+            "the quick block and the rest of its page"
+        );
+        assert_eq!(a.take_quick(2048), None, "other sizes are not served");
+        assert_eq!(a.take_quick(3000), Some(p));
+        assert_eq!(a.take_quick(3000), None);
+        assert_eq!(a.live_blocks, 1);
+        a.check().unwrap();
+    }
+
+    #[test]
+    fn the_quick_lists_fill_and_flush_into_coalesced_blocks() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 1024 * P);
+        let ps: Vec<u64> = (0..300).map(|i| place(&mut a, 2 * P, i)).collect();
+        for (i, p) in ps.iter().enumerate() {
+            assert_eq!(a.quick_full(), i > QUICK_CAPACITY, "after {i} frees");
+            a.release(*p, 1000 + i as u64).unwrap();
+        }
+        assert!(a.quick_full());
+        a.flush_quick();
+        a.check().unwrap();
+        assert!(!a.quick_full());
+        // 300 blocks of 2 pages, adjacent: one free mapped block of 600 pages.
+        assert_eq!(a.free_mapped_count, 1);
+        assert_eq!(a.stealable_pages, 600);
+        assert_eq!(a.find_hit(600 * P, f64::INFINITY), Some(BASE));
+        assert_eq!(a.largest(), Some((600, BASE)));
+    }
+
+    #[test]
+    fn find_hit_takes_the_best_fit_within_the_reuse_limit() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 64 * P);
+        let blocks: Vec<u64> = [4 * P, P, 2 * P, P]
+            .iter()
+            .map(|&s| place(&mut a, s, 1))
+            .collect();
+        // Free the 4-page and 2-page blocks; live 1-page blocks keep them apart.
+        a.release(blocks[0], 2).unwrap();
+        a.release(blocks[2], 3).unwrap();
+        a.flush_quick();
+        a.check().unwrap();
+        assert_eq!(a.find_hit(P, f64::INFINITY), Some(blocks[2]), "best fit");
+        assert_eq!(a.find_hit(3 * P, f64::INFINITY), Some(blocks[0]));
+        assert_eq!(a.find_hit(P, 1.5), None, "2 pages for 1 exceeds 1.5x");
+        assert_eq!(a.find_hit(P, 2.0), Some(blocks[2]));
+        assert_eq!(a.largest_free_mapped(), 4 * P);
+        assert_eq!(a.smallest_with(2), Some((2, blocks[2])));
+        assert_eq!(a.smallest_with(3), Some((4, blocks[0])));
+        assert_eq!(a.largest_below(4, blocks[0]), Some((2, blocks[2])));
+        assert_eq!(a.free_interior_in(BASE, BASE + 64 * P), 6);
+    }
+
+    #[test]
+    fn lru_order_is_tracked_only_when_asked() {
+        for track in [false, true] {
+            let mut a = arena(track);
+            a.add_chunk(BASE, 64 * P);
+            let blocks: Vec<u64> = (0..4).map(|_| place(&mut a, 2 * P, 1)).collect();
+            a.release(blocks[2], 5).unwrap();
+            a.release(blocks[0], 7).unwrap();
+            a.flush_quick();
+            assert_eq!(a.tracks_age(), track);
+            assert_eq!(a.oldest(), track.then_some((5, blocks[2])));
+        }
+    }
+
+    /// A chunk of 8 pages: live page 0, free mapped pages 1-4 (stealable), live page 5, the
+    /// rest unmapped. Returns (arena, address of the free block).
+    fn with_free_block() -> (Arena, u64) {
+        let mut a = arena(true);
+        a.add_chunk(BASE, 8 * P);
+        place(&mut a, P, 1);
+        let f = place(&mut a, 4 * P, 1);
+        place(&mut a, P, 1);
+        a.release(f, 2).unwrap();
+        a.flush_quick();
+        a.check().unwrap();
+        assert_eq!(a.stealable_pages, 4);
+        (a, f)
+    }
+
+    #[test]
+    fn lent_pages_stay_mapped_and_come_back_with_no_driver_call() {
+        let (mut a, f) = with_free_block();
+        let (start, hs) = a.take_pages(f, 2, Take::Lend(5));
+        assert_eq!(start, f + 2 * P, "taken from the top of the block");
+        assert_eq!(hs, vec![h(f + 2 * P), h(f + 3 * P)]);
+        a.check().unwrap();
+        assert_eq!(
+            states(&a),
+            vec![
+                (0, U, "live"),
+                (U, 2 * U, "free"),
+                (3 * U, 2 * U, "lent"),
+                (5 * U, U, "live"),
+                (6 * U, 2 * U, "unmapped")
+            ]
+        );
+        assert_eq!(a.lent_pages(), 2);
+        assert_eq!(a.stealable_pages, 2);
+        assert_eq!(a.oldest_lent(), Some((5, f + 2 * P, 2)));
+        assert_eq!(a.lent_since(f + 3 * P), Some(5));
+        assert_eq!(a.lent_since(f), None, "free mapped, not lent");
+        assert_eq!(a.lent_at(f + 3 * P), Some(h(f + 3 * P)));
+        assert_eq!(a.lent_blocks(), vec![(f + 2 * P, 2 * P)]);
+        assert_eq!(
+            a.lent_from(f + 3 * P).count(),
+            0,
+            "blocks start at or after"
+        );
+        assert_eq!(a.lent_from(f).collect::<Vec<_>>(), vec![f + 2 * P]);
+        assert_eq!(
+            a.lent_matching(|x| x == h(f + 2 * P)),
+            vec![(f + 2 * P, h(f + 2 * P))]
+        );
+        assert_eq!(a.lent_in(f, f + 3 * P).count(), 1);
+        // The region a reuse may cover: the free block and the lent one.
+        let region: Vec<u64> = a.reuse_region(f + 2 * P).iter().map(|r| r.0).collect();
+        assert_eq!(region, vec![f, f + 2 * P]);
+        // Taking the lower lent page back: free mapped again, coalesced with the free block.
+        assert_eq!(a.claim_lent(f + 2 * P, 6, true), Some(h(f + 2 * P)));
+        assert_eq!(a.claim_lent(f + 2 * P, 6, true), None, "not lent any more");
+        a.check().unwrap();
+        assert_eq!(
+            states(&a)[1..3],
+            [(U, 3 * U, "free"), (4 * U, U, "lent")],
+            "{:?}",
+            states(&a)
+        );
+        assert!(a.pages_in(f + 2 * P, f + 3 * P).all(|(_, p)| p.stitched));
+        a.set_stitched(f + 2 * P, false);
+        assert!(a.pages_in(f + 2 * P, f + 3 * P).all(|(_, p)| !p.stitched));
+        // The last alias unmapped: unmapped free space (a live page keeps it apart from the
+        // unmapped end of the chunk).
+        assert_eq!(a.unmap_lent_page(f + 3 * P), Some(h(f + 3 * P)));
+        a.check().unwrap();
+        assert_eq!(a.lent_pages(), 0);
+        assert_eq!(states(&a)[2], (4 * U, U, "unmapped"));
+    }
+
+    #[test]
+    fn lend_page_at_takes_one_interior_page_of_a_free_block() {
+        let (mut a, f) = with_free_block();
+        assert!(a.page_is_free(f + P));
+        assert!(!a.page_is_free(BASE), "live");
+        assert_eq!(a.lend_page_at(BASE, 3), None);
+        assert_eq!(a.lend_page_at(f + P, 3), Some(h(f + P)));
+        assert!(!a.page_is_free(f + P));
+        a.check().unwrap();
+        assert_eq!(
+            states(&a)[1..4],
+            [(U, U, "free"), (2 * U, U, "lent"), (3 * U, 2 * U, "free")]
+        );
+        assert_eq!(a.stealable_pages, 3);
+    }
+
+    #[test]
+    fn retired_pages_become_unmapped_space_once_unretired() {
+        let (mut a, f) = with_free_block();
+        let (start, hs) = a.take_pages(f, 10, Take::Retire);
+        assert_eq!((start, hs.len()), (f, 4), "at most the block's pages");
+        assert_eq!(a.retired_blocks, 1);
+        a.check().unwrap();
+        assert_eq!(states(&a)[1], (U, 4 * U, "retired"));
+        assert_eq!(
+            a.find_placement(4 * P).map(|p| p.start),
+            None,
+            "not placeable yet"
+        );
+        a.unretire(f);
+        a.check().unwrap();
+        assert_eq!(a.retired_blocks, 0);
+        assert_eq!(states(&a)[1], (U, 4 * U, "unmapped"));
+        assert_eq!(a.find_placement(4 * P).map(|p| p.start), Some(f));
+        a.unretire(f); // not retired: nothing happens
+        a.check().unwrap();
+    }
+
+    #[test]
+    fn taking_pages_to_unmap_coalesces_with_unmapped_space() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 8 * P);
+        place(&mut a, P, 1);
+        let f = place(&mut a, 3 * P, 1);
+        a.release(f, 2).unwrap();
+        a.flush_quick();
+        // Pages 1-3 free mapped, 4-7 unmapped: the unmapped block's ext includes them.
+        let (start, hs) = a.take_pages(f, 2, Take::Unmap);
+        assert_eq!((start, hs.len()), (f + P, 2));
+        a.check().unwrap();
+        assert_eq!(
+            states(&a),
+            vec![(0, U, "live"), (U, U, "free"), (2 * U, 6 * U, "unmapped")]
+        );
+        // The placement covering page 1 and the unmapped rest.
+        let pl = a.find_placement(7 * P).unwrap();
+        assert_eq!((pl.start, pl.map_start, pl.map_pages), (f, f + P, 6));
+        assert_eq!(a.take_pages(BASE, 1, Take::Unmap), (0, vec![]), "live");
+    }
+
+    #[test]
+    fn retire_lent_and_drain_lent_give_back_aliases() {
+        let (mut a, f) = with_free_block();
+        a.take_pages(f, 4, Take::Lend(3));
+        assert_eq!(a.lent_pages(), 4);
+        assert_eq!(a.retire_lent(f + P, 2), vec![h(f + P), h(f + 2 * P)]);
+        a.check().unwrap();
+        assert_eq!(
+            states(&a)[1..4],
+            [
+                (U, U, "lent"),
+                (2 * U, 2 * U, "retired"),
+                (4 * U, U, "lent")
+            ]
+        );
+        assert_eq!(a.retire_lent(f + P, 1), vec![], "not lent");
+        let mut drained = a.drain_lent();
+        drained.sort();
+        assert_eq!(drained, vec![(f, h(f)), (f + 3 * P, h(f + 3 * P))]);
+        a.check().unwrap();
+        assert_eq!(a.lent_pages(), 0);
+        assert!(a.lent_blocks().is_empty());
+    }
+
+    #[test]
+    fn mapped_runs_split_at_chunk_boundaries() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 2 * P);
+        a.add_chunk(BASE + 2 * P, 2 * P);
+        a.add_chunk(BASE + 8 * P, 2 * P);
+        place(&mut a, 2 * P, 1);
+        place(&mut a, 2 * P, 1);
+        place(&mut a, P, 1);
+        assert_eq!(
+            a.mapped_runs(),
+            vec![(BASE, 2 * P), (BASE + 2 * P, 2 * P), (BASE + 8 * P, P)]
+        );
+    }
+
+    #[test]
+    fn check_finds_a_block_on_an_unmapped_page() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 4 * P);
+        place(&mut a, 2 * P, 1);
+        a.check().unwrap();
+        let gone = a.remove_page(BASE + P).unwrap();
+        assert_eq!(gone.handle, h(BASE + P));
+        let e = a.check().unwrap_err();
+        assert!(e.starts_with("I2"), "{e}");
+        a.insert_page(BASE + P, gone);
+        a.check().unwrap();
+        // A page where the block is unmapped breaks I3.
+        a.insert_page(
+            BASE + 3 * P,
+            Page {
+                handle: h(BASE + 3 * P),
+                stitched: false,
+            },
+        );
+        let e = a.check().unwrap_err();
+        assert!(e.starts_with("I3"), "{e}");
+    }
+}

@@ -12,6 +12,7 @@
 pub mod allocator;
 mod arena;
 pub mod config;
+pub mod contract;
 pub mod debug;
 pub mod device;
 pub mod error;

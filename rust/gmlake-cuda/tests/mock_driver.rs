@@ -9,7 +9,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
-use gmlake_core::{EventHandle, HostPtr, PhysHandle};
+use gmlake_core::{contract, EventHandle, HostPtr, PhysHandle};
 use gmlake_cuda::{CudaDevice, Device, DeviceError};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -59,6 +59,9 @@ fn mock_driver_scenarios() {
         ("init_fail", &full, &[("MOCK_CUDA_INIT_FAIL", "100")]),
         ("missing_symbol", &old, &[]),
         ("no_host", &no_host, &[]),
+        // The contract suite of gmlake_core on the mock: a 16 GiB device (its memory is only
+        // allocated where copies touch it).
+        ("contract", &full, &[("MOCK_CUDA_MEM", "17179869184")]),
     ];
     for (name, dir, env) in scenarios {
         let mut cmd = Command::new(&exe);
@@ -164,6 +167,13 @@ impl Mock {
                 .unwrap()()
         }
     }
+    fn count(&self, name: &[u8]) -> usize {
+        // SAFETY: (test) the mock_live_* helpers take no argument and return an int or long;
+        // reading either as i64 on x86_64 / aarch64 Linux gets the value (returned in a
+        // 64-bit register, an int sign-extended where it is non-negative and small).
+        let n = unsafe { self.lib.get::<unsafe extern "C" fn() -> i64>(name).unwrap()() };
+        (n as i32) as usize
+    }
     fn live_mappings(&self) -> i32 {
         // SAFETY: (test) prototype as in libcuda_mock.c.
         unsafe {
@@ -197,6 +207,7 @@ fn mock_inner() {
             other => panic!("expected Unavailable, got {other:?}"),
         },
         "no_host" => no_host(),
+        "contract" => contract(),
         s => panic!("unknown scenario {s}"),
     }
     println!("scenario {scenario} ok");
@@ -498,4 +509,63 @@ fn no_host() {
     // The allocator's calls work as ever.
     let h = d.create_physical(MIB2).unwrap();
     d.release_physical(h).unwrap();
+}
+
+/// `CudaDevice` over the mock driver, as a target of the contract suite: a model of the
+/// driver (every case runs), whose resources the mock counts.
+struct MockTarget {
+    mock: Mock,
+}
+
+impl contract::Target for MockTarget {
+    type Dev = CudaDevice;
+    fn name(&self) -> String {
+        "cuda-mock".into()
+    }
+    fn open(&self) -> gmlake_core::DeviceResult<CudaDevice> {
+        CudaDevice::new(0)
+    }
+    fn is_model(&self) -> bool {
+        true
+    }
+    fn census(&self, _dev: &CudaDevice) -> Option<contract::Census> {
+        Some(contract::Census {
+            handles: self.mock.count(b"mock_live_handles"),
+            mappings: self.mock.count(b"mock_live_mappings"),
+            reservations: self.mock.count(b"mock_live_reservations"),
+            events: self.mock.count(b"mock_live_events"),
+        })
+    }
+}
+
+/// Every case of the contract suite (driver rules, then allocator behaviour) on `CudaDevice`
+/// over the mock: all pass, none is skipped but those needing events held pending (the mock's
+/// complete on their own), and the driver rule cases leave nothing on the driver (allocators
+/// dropped with live blocks leak them, by design, so the check comes before those).
+fn contract() {
+    let t = MockTarget { mock: Mock::open() };
+    let mut reports = Vec::new();
+    for cases in [
+        contract::device::cases::<MockTarget>(),
+        contract::allocator::cases::<MockTarget>(),
+    ] {
+        let r = contract::run_with(&t, &cases, |line| println!("{line}"));
+        println!("{}", r.summary());
+        r.assert_ok();
+        let held = cases
+            .iter()
+            .filter(|c| c.only == contract::Only::HeldEvents)
+            .count();
+        assert_eq!(r.skipped(), held, "{r}");
+        if reports.is_empty() {
+            let left = contract::Target::census(&t, &CudaDevice::new(0).unwrap()).unwrap();
+            assert_eq!(
+                left,
+                contract::Census::default(),
+                "left on the driver by the driver rule cases"
+            );
+        }
+        reports.push(r);
+    }
+    assert!(reports.iter().map(|r| r.passed()).sum::<usize>() >= 45);
 }

@@ -1,9 +1,13 @@
 /* A stand-in for libcuda.so, for testing gmlake-cuda on machines without a GPU.
  *
  * It implements the driver entry points gmlake-cuda resolves, with the rules of the real
- * driver that matter here: a current context is required, mappings must lie in reservations,
- * only unmapped memory may be released (as the Device trait rules; the real driver defers the
- * release instead), only empty reservations freed. Behaviour switches
+ * driver that matter here (the Device trait's, which the contract suite of gmlake_core checks
+ * on this mock too): a current context is required; sizes and addresses are multiples of the
+ * granularity and not 0; a mapping lies in one reservation, over nothing mapped, and is at
+ * most its handle's size; an unmap removes exactly one mapping; access is set on fully mapped
+ * ranges only; only unmapped memory may be released (as the Device trait rules; the real
+ * driver defers the release instead) and an unknown or released handle is refused; only whole,
+ * empty reservations are freed. Behaviour switches
  * (environment variables, read at each call):
  *   MOCK_CUDA_INIT_FAIL=<code>   cuInit returns <code>
  *   MOCK_CUDA_NO_FD=1            cuMemCreate refuses POSIX fd handle types (NOT_SUPPORTED)
@@ -12,7 +16,8 @@
  * Compile with -DMOCK_OMIT_MEMMAP to leave cuMemMap out (a "driver too old"), and with
  * -DMOCK_OMIT_HOST to leave out the host-memory calls of the host tier.
  * cuMemcpyHtoD_v2 / cuMemcpyDtoH_v2 copy through mappings (for tests/device.rs under the mock).
- * Helpers for the test (prefixed mock_) expose internal counters. Two devices. */
+ * Helpers for the test (prefixed mock_) expose internal counters (live handles, mappings,
+ * reservations, events: the contract suite's census). Two devices. */
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -43,8 +48,15 @@ static int ctx_storage[NDEV];
 static int primary_refs[NDEV];
 static long set_current_calls;
 
-static struct { unsigned long long id; size_t size; int maps; int live; int fd_type; char *mem; } allocs[MAXN];
+/* Device memory behind handles: shared by a handle and its imports, freed (and uncounted) when
+ * the last handle to it is released. Its bytes are allocated at the first copy. */
+typedef struct { char *p; size_t size; int refs; } Mem;
+/* Slots of released handles, reservations and mappings are reused, so a long run never fills
+ * the tables; handle ids are never reused (a released id stays unknown). */
+static struct { unsigned long long id; size_t size; int maps; int live; int fd_type; Mem *mem; } allocs[MAXN];
 static int nallocs;
+static unsigned long long next_handle = 0x1000;
+static long events_live;
 static size_t used;
 static struct { unsigned long long addr; size_t size; int live; } resv[MAXN];
 static int nresv;
@@ -53,18 +65,25 @@ static struct { unsigned long long addr; size_t size; int ai; int live; } maps[M
 static int nmaps;
 static int last_access_count;
 static int last_access_ids[8];
-static struct { int fd; int ai; } exported[MAXN];
+static struct { int fd; int ai; unsigned long long id; } exported[MAXN];
 static int nexported;
 
 typedef struct { unsigned magic; int pending; long recorded_at; void *ctx; } Event;
 static long syncs; /* cuCtxSynchronize calls: completes every event recorded before */
 #define EVENT_MAGIC 0xe7e7e7e7u
 
+static int free_slot_alloc(void);
 static size_t mem_limit(void) {
     const char *s = getenv("MOCK_CUDA_MEM");
     return s ? (size_t)strtoull(s, 0, 10) : (64u << 20);
 }
 static int has_ctx(void) { return current != 0; }
+/* 0 (the legacy default stream), CU_STREAM_LEGACY (0x1), CU_STREAM_PER_THREAD (0x2), or the
+ * mock's one created stream, 0x5157. */
+static int valid_stream(void *s) {
+    uintptr_t v = (uintptr_t)s;
+    return v == 0 || v == 1 || v == 2 || v == 0x5157;
+}
 static int dev_of_ctx(void *c) {
     for (int i = 0; i < NDEV; i++) if (c == &ctx_storage[i]) return i;
     return -1;
@@ -170,21 +189,28 @@ CUresult cuMemCreate(unsigned long long *h, size_t size, const Prop *p, unsigned
     if (p->requestedHandleTypes != 0 && getenv("MOCK_CUDA_NO_FD")) return NOT_SUPPORTED;
     pthread_mutex_lock(&mu);
     CUresult r = OK;
+    int slot = free_slot_alloc();
     if (used + size > mem_limit()) r = OUT_OF_MEMORY;
-    else if (nallocs == MAXN) r = OUT_OF_MEMORY;
+    else if (slot < 0) r = OUT_OF_MEMORY;
     else {
-        allocs[nallocs].id = 0x1000 + nallocs;
-        allocs[nallocs].size = size;
-        allocs[nallocs].maps = 0;
-        allocs[nallocs].live = 1;
-        allocs[nallocs].fd_type = p->requestedHandleTypes == 1;
-        allocs[nallocs].mem = calloc(1, size); /* never freed: imported handles share it */
-        *h = allocs[nallocs].id;
-        nallocs++;
+        Mem *m = calloc(1, sizeof *m);
+        m->size = size;
+        m->refs = 1;
+        allocs[slot].id = next_handle++;
+        allocs[slot].size = size;
+        allocs[slot].maps = 0;
+        allocs[slot].live = 1;
+        allocs[slot].fd_type = p->requestedHandleTypes == 1;
+        allocs[slot].mem = m;
+        *h = allocs[slot].id;
         used += size;
     }
     pthread_mutex_unlock(&mu);
     return r;
+}
+static int free_slot_alloc(void) {
+    for (int i = 0; i < nallocs; i++) if (!allocs[i].live) return i;
+    return nallocs < MAXN ? nallocs++ : -1;
 }
 static int find_alloc(unsigned long long h) {
     for (int i = 0; i < nallocs; i++) if (allocs[i].live && allocs[i].id == h) return i;
@@ -196,7 +222,12 @@ CUresult cuMemRelease(unsigned long long h) {
     int i = find_alloc(h);
     CUresult r = OK;
     if (i < 0 || allocs[i].maps) r = INVALID_VALUE;
-    else { allocs[i].live = 0; used -= allocs[i].size; }
+    else {
+        Mem *m = allocs[i].mem;
+        allocs[i].live = 0;
+        allocs[i].mem = 0;
+        if (--m->refs == 0) { used -= m->size; free(m->p); free(m); }
+    }
     pthread_mutex_unlock(&mu);
     return r;
 }
@@ -207,10 +238,13 @@ CUresult cuMemAddressReserve(unsigned long long *ptr, size_t size, size_t align,
     if (align < GRAN) align = GRAN;
     pthread_mutex_lock(&mu);
     CUresult r = OK;
-    if (nresv == MAXN) r = OUT_OF_MEMORY;
+    int slot = -1;
+    for (int i = 0; i < nresv && slot < 0; i++) if (!resv[i].live) slot = i;
+    if (slot < 0 && nresv < MAXN) slot = nresv++;
+    if (slot < 0) r = OUT_OF_MEMORY;
     else {
         unsigned long long a = (next_va + align - 1) / align * align;
-        resv[nresv].addr = a; resv[nresv].size = size; resv[nresv].live = 1; nresv++;
+        resv[slot].addr = a; resv[slot].size = size; resv[slot].live = 1;
         next_va = a + size + GRAN; /* a gap, so adjacent reservations are distinct */
         *ptr = a;
     }
@@ -238,7 +272,7 @@ CUresult cuMemAddressFree(unsigned long long addr, size_t size) {
 CUresult cuMemMap(unsigned long long addr, size_t size, size_t offset, unsigned long long h,
                   unsigned long long flags) {
     if (!has_ctx()) return INVALID_CONTEXT;
-    if (offset || flags || size % GRAN || addr % GRAN) return INVALID_VALUE;
+    if (offset || flags || size == 0 || size % GRAN || addr % GRAN) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     CUresult r = INVALID_VALUE;
     int ai = find_alloc(h);
@@ -250,9 +284,12 @@ CUresult cuMemMap(unsigned long long addr, size_t size, size_t offset, unsigned 
     for (int m = 0; m < nmaps; m++)
         if (maps[m].live && addr < maps[m].addr + maps[m].size && maps[m].addr < addr + size)
             overlap = 1;
-    if (ai >= 0 && inside && !overlap && size <= allocs[ai].size && nmaps < MAXN) {
-        maps[nmaps].addr = addr; maps[nmaps].size = size; maps[nmaps].ai = ai;
-        maps[nmaps].live = 1; nmaps++;
+    int slot = -1;
+    for (int m = 0; m < nmaps && slot < 0; m++) if (!maps[m].live) slot = m;
+    if (slot < 0 && nmaps < MAXN) slot = nmaps++;
+    if (ai >= 0 && inside && !overlap && size <= allocs[ai].size && slot >= 0) {
+        maps[slot].addr = addr; maps[slot].size = size; maps[slot].ai = ai;
+        maps[slot].live = 1;
         allocs[ai].maps++;
         r = OK;
     }
@@ -262,6 +299,7 @@ CUresult cuMemMap(unsigned long long addr, size_t size, size_t offset, unsigned 
 #endif
 CUresult cuMemUnmap(unsigned long long addr, size_t size) {
     if (!has_ctx()) return INVALID_CONTEXT;
+    if (size == 0 || size % GRAN || addr % GRAN) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     CUresult r = INVALID_VALUE;
     for (int m = 0; m < nmaps; m++) {
@@ -277,7 +315,7 @@ CUresult cuMemUnmap(unsigned long long addr, size_t size) {
 }
 CUresult cuMemSetAccess(unsigned long long addr, size_t size, const AccessDesc *d, size_t n) {
     if (!has_ctx()) return INVALID_CONTEXT;
-    if (n == 0 || n > 8) return INVALID_VALUE;
+    if (n == 0 || n > 8 || size == 0 || size % GRAN || addr % GRAN) return INVALID_VALUE;
     pthread_mutex_lock(&mu);
     /* Every byte of the range must be mapped. */
     unsigned long long a = addr;
@@ -307,7 +345,8 @@ CUresult cuMemExportToShareableHandle(void *out, unsigned long long h, int type,
     CUresult r = INVALID_VALUE;
     if (ai >= 0 && allocs[ai].fd_type && nexported < MAXN) {
         int fd = open("/dev/null", O_RDONLY);
-        exported[nexported].fd = fd; exported[nexported].ai = ai; nexported++;
+        exported[nexported].fd = fd; exported[nexported].ai = ai;
+        exported[nexported].id = h; nexported++;
         *(int *)out = fd;
         r = OK;
     }
@@ -321,14 +360,16 @@ CUresult cuMemImportFromShareableHandle(unsigned long long *h, void *os, int typ
     pthread_mutex_lock(&mu);
     CUresult r = INVALID_VALUE;
     for (int i = 0; i < nexported; i++) {
-        if (exported[i].fd == fd && nallocs < MAXN) {
+        int from = exported[i].ai;
+        if (exported[i].fd == fd && allocs[from].live && allocs[from].id == exported[i].id) {
             /* A second handle onto the same memory: counts no extra bytes. */
-            allocs[nallocs] = allocs[exported[i].ai];
-            allocs[nallocs].id = 0x1000 + nallocs;
-            allocs[nallocs].maps = 0;
-            used += allocs[nallocs].size;
-            *h = allocs[nallocs].id;
-            nallocs++;
+            int slot = free_slot_alloc();
+            if (slot < 0) { r = OUT_OF_MEMORY; break; }
+            allocs[slot] = allocs[from];
+            allocs[slot].id = next_handle++;
+            allocs[slot].maps = 0;
+            allocs[slot].mem->refs++;
+            *h = allocs[slot].id;
             r = OK;
             break;
         }
@@ -342,6 +383,7 @@ CUresult cuEventCreate(void **ev, unsigned flags) {
     Event *e = calloc(1, sizeof *e);
     e->magic = EVENT_MAGIC;
     e->ctx = current;
+    __atomic_add_fetch(&events_live, 1, __ATOMIC_SEQ_CST);
     *ev = e;
     return OK;
 }
@@ -350,13 +392,14 @@ CUresult cuEventDestroy_v2(void *ev) {
     if (!e || e->magic != EVENT_MAGIC) return INVALID_VALUE;
     e->magic = 0;
     free(e);
+    __atomic_sub_fetch(&events_live, 1, __ATOMIC_SEQ_CST);
     return OK;
 }
 CUresult cuEventRecord(void *ev, void *stream) {
     Event *e = ev;
     if (!has_ctx()) return INVALID_CONTEXT;
     if (!e || e->magic != EVENT_MAGIC) return INVALID_VALUE;
-    if (stream != 0 && (uintptr_t)stream != 0x5157) return INVALID_VALUE; /* 0 or our fake stream */
+    if (!valid_stream(stream)) return INVALID_VALUE;
     e->pending = 1;
     e->recorded_at = __atomic_load_n(&syncs, __ATOMIC_SEQ_CST);
     return OK;
@@ -374,8 +417,10 @@ CUresult cuEventQuery(void *ev) {
 static char *translate(unsigned long long a, size_t *room) {
     for (int m = 0; m < nmaps; m++)
         if (maps[m].live && a >= maps[m].addr && a < maps[m].addr + maps[m].size) {
+            Mem *mem = allocs[maps[m].ai].mem;
             *room = maps[m].addr + maps[m].size - a;
-            return allocs[maps[m].ai].mem + (a - maps[m].addr);
+            if (!mem->p) mem->p = calloc(1, mem->size);
+            return mem->p + (a - maps[m].addr);
         }
     return 0;
 }
@@ -420,11 +465,11 @@ CUresult cuMemFreeHost(void *p) {
     return OK;
 }
 CUresult cuMemcpyDtoHAsync_v2(void *dst, unsigned long long src, size_t n, void *stream) {
-    if (stream != 0 && (uintptr_t)stream != 0x5157) return INVALID_VALUE;
+    if (!valid_stream(stream)) return INVALID_VALUE;
     return copy(dst, src, n, 0);
 }
 CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t n, void *stream) {
-    if (stream != 0 && (uintptr_t)stream != 0x5157) return INVALID_VALUE;
+    if (!valid_stream(stream)) return INVALID_VALUE;
     return copy((char *)src, dst, n, 1);
 }
 CUresult cuEventSynchronize(void *ev) {
@@ -446,7 +491,24 @@ int mock_last_access(int *ids) {
 }
 size_t mock_used(void) { return used; }
 int mock_live_mappings(void) {
+    pthread_mutex_lock(&mu);
     int n = 0;
     for (int m = 0; m < nmaps; m++) n += maps[m].live;
+    pthread_mutex_unlock(&mu);
     return n;
 }
+int mock_live_handles(void) {
+    pthread_mutex_lock(&mu);
+    int n = 0;
+    for (int i = 0; i < nallocs; i++) n += allocs[i].live;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+int mock_live_reservations(void) {
+    pthread_mutex_lock(&mu);
+    int n = 0;
+    for (int i = 0; i < nresv; i++) n += resv[i].live;
+    pthread_mutex_unlock(&mu);
+    return n;
+}
+long mock_live_events(void) { return __atomic_load_n(&events_live, __ATOMIC_SEQ_CST); }
