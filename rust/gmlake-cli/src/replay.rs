@@ -25,6 +25,9 @@ pub trait Backend {
     fn driver_calls(&self) -> Option<DriverCalls> {
         None
     }
+    fn xdbg(&self) -> String {
+        String::new()
+    }
 }
 
 /// The GMLake allocator on a simulated device.
@@ -82,6 +85,24 @@ impl Backend for SimBackend {
     }
     fn driver_calls(&self) -> Option<DriverCalls> {
         Some(self.allocator.stats().driver_calls)
+    }
+    fn xdbg(&self) -> String {
+        let s = self.allocator.stats();
+        let d = s.driver_calls;
+        format!(
+            "st {} ps {} ru {} pr {} ar {} ae {} alb {} map {} unmap {} sa {} cp {}",
+            s.stitches,
+            s.pages_stitched,
+            s.stitch_reuses,
+            s.pages_reused,
+            s.aliases_replaced,
+            s.alias_evictions,
+            s.aliased_bytes >> 20,
+            d.map,
+            d.unmap,
+            d.set_access,
+            d.create_physical
+        )
     }
 }
 
@@ -257,6 +278,19 @@ pub fn replay<B: Backend>(
     for (i, e) in events.iter().enumerate() {
         if i == half {
             half_driver_calls = backend.driver_calls();
+        }
+        if let Some(n) = std::env::var("XDBG_EVERY")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            if i % n == 0 {
+                eprintln!(
+                    "XDBG {i} {} act {} res {}",
+                    backend.xdbg(),
+                    active >> 20,
+                    reserved >> 20
+                );
+            }
         }
         match e.action {
             Action::Alloc => {
