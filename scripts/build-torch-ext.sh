@@ -16,25 +16,12 @@
 # BUILD_DIR (build/torch-ext), JOBS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$PWD
-
-TORCH_VERSION="${TORCH_VERSION:-2.11.0}"
-CUDA_SERIES="${CUDA_SERIES:-13.0}"
-CUDA_MAJOR="${CUDA_SERIES%%.*}"
-ART="${GMLAKE_ARTIFACTS:-$ROOT/.artifacts}"
+# shellcheck source=scripts/lib/build-args.sh
+source scripts/lib/build-args.sh
 BUILD_DIR="${BUILD_DIR:-$ROOT/build/torch-ext}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 OUT=""
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --out) OUT="$2"; shift 2 ;;
-    --out=*) OUT="${1#--out=}"; shift ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
-    *) echo "build-torch-ext: unknown argument $1" >&2; exit 2 ;;
-  esac
-done
-
-log() { printf '[build-torch-ext] %s\n' "$*"; }
+build_args build-torch-ext 18 0 "$@"
 
 # ---- tools
 if ! command -v cmake >/dev/null 2>&1; then

@@ -18,23 +18,11 @@
 # Environment: TORCH_VERSION (2.11.0), CUDA_SERIES (13.0), GMLAKE_ARTIFACTS (.artifacts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$PWD
-TORCH_VERSION="${TORCH_VERSION:-2.11.0}"
-CUDA_SERIES="${CUDA_SERIES:-13.0}"
-CUDA_MAJOR="${CUDA_SERIES%%.*}"
-ART="${GMLAKE_ARTIFACTS:-$ROOT/.artifacts}"
+# shellcheck source=scripts/lib/build-args.sh
+source scripts/lib/build-args.sh
 OUT="$ART/wheel"
 TEST=0
-while [ $# -gt 0 ]; do
-  case "$1" in
-    --test) TEST=1; shift ;;
-    --out) OUT="$2"; shift 2 ;;
-    --out=*) OUT="${1#--out=}"; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
-    *) echo "build-wheel: unknown argument $1" >&2; exit 2 ;;
-  esac
-done
-log() { printf '[build-wheel] %s\n' "$*"; }
+build_args build-wheel 17 1 "$@"
 if ! command -v cargo >/dev/null 2>&1; then
   # shellcheck source=scripts/ensure-rust.sh
   source scripts/ensure-rust.sh
