@@ -45,6 +45,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
     }
     let options = ReplayOptions {
         strict: args.strict,
+        deferred_frees: !args.instant_frees,
         series_points: if args.plot.is_some() {
             SERIES_POINTS
         } else {

@@ -157,6 +157,14 @@ pub struct ReplayArgs {
     /// do not replay them through the allocator.
     #[arg(long)]
     pub trace_only: bool,
+
+    /// Free everything at `free_completed`, at once. By default a free whose
+    /// `free_completed` comes later than its `free_requested` (record_stream, a buffer of a
+    /// collective's stream) is made at the request and waits, on a stream of its own whose
+    /// work ends at the completion, as on a GPU: its pages are reusable only then, and the
+    /// allocator's events for it are counted.
+    #[arg(long)]
+    pub instant_frees: bool,
 }
 
 /// One `--set KEY=VALUE`.

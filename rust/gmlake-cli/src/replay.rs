@@ -5,7 +5,7 @@
 use crate::clock::thread_cpu_time;
 use crate::native::NativeMeter;
 use crate::series::Series;
-use crate::trace::{Action, DeviceTrace};
+use crate::trace::{Action, DeviceTrace, Event};
 use gmlake_core::{
     Allocator, Config, DeviceError, DevicePtr, DriverCalls, Error as CoreError, SimDevice, StreamId,
 };
@@ -25,10 +25,18 @@ pub trait Backend {
     fn driver_calls(&self) -> Option<DriverCalls> {
         None
     }
-    fn xdbg(&self) -> String {
-        String::new()
+    /// Frees `ptr` behind work on `waiter` that has not completed yet (its block may be
+    /// reused only once [`Backend::complete`] says that work is done).
+    fn free_after(&mut self, ptr: DevicePtr, _waiter: StreamId) -> Result<(), CoreError> {
+        self.free(ptr)
     }
+    /// The work queued on `waiter` has completed.
+    fn complete(&mut self, _waiter: StreamId) {}
 }
+
+/// Streams the replay gives to frees that wait (`--deferred-frees`): far above any stream id
+/// of a trace (those are CUDA stream pointers).
+pub const WAITER_STREAMS: StreamId = 1 << 62;
 
 /// The GMLake allocator on a simulated device.
 pub struct SimBackend {
@@ -52,7 +60,10 @@ impl SimBackend {
     /// An allocator with `config` on a simulated device of `capacity` bytes.
     pub fn new(capacity: u64, config: Config) -> Result<SimBackend, CoreError> {
         Ok(SimBackend {
-            allocator: Allocator::new(SimDevice::new(capacity), config)?,
+            allocator: Allocator::new(
+                SimDevice::new(capacity).pending_from(WAITER_STREAMS),
+                config,
+            )?,
         })
     }
 
@@ -86,23 +97,12 @@ impl Backend for SimBackend {
     fn driver_calls(&self) -> Option<DriverCalls> {
         Some(self.allocator.stats().driver_calls)
     }
-    fn xdbg(&self) -> String {
-        let s = self.allocator.stats();
-        let d = s.driver_calls;
-        format!(
-            "st {} ps {} ru {} pr {} ar {} ae {} alb {} map {} unmap {} sa {} cp {}",
-            s.stitches,
-            s.pages_stitched,
-            s.stitch_reuses,
-            s.pages_reused,
-            s.aliases_replaced,
-            s.alias_evictions,
-            s.aliased_bytes >> 20,
-            d.map,
-            d.unmap,
-            d.set_access,
-            d.create_physical
-        )
+    fn free_after(&mut self, ptr: DevicePtr, waiter: StreamId) -> Result<(), CoreError> {
+        self.allocator.record_stream(ptr, waiter)?;
+        self.allocator.free(ptr)
+    }
+    fn complete(&mut self, waiter: StreamId) {
+        self.allocator.device().complete_stream(waiter);
     }
 }
 
@@ -135,6 +135,9 @@ pub struct ReplayOptions {
     pub strict: bool,
     /// Points of the time series to record (0: none).
     pub series_points: usize,
+    /// Frees whose completion the trace shows later than their request happen at the
+    /// request, behind work that completes at the completion (off: `--instant-frees`).
+    pub deferred_frees: bool,
 }
 
 /// What one replay measured.
@@ -154,6 +157,8 @@ pub struct Measures {
     pub first_oom: Option<(usize, String)>,
     /// Frees of addresses with no live allocation in the trace (ignored).
     pub unknown_frees: u64,
+    /// Frees replayed at their request, behind work that completes at their completion.
+    pub deferred_frees: u64,
     /// Allocations at an address that was still live (the trace lost a free: the old one is
     /// freed first).
     pub duplicate_allocs: u64,
@@ -224,6 +229,37 @@ struct Live {
     size: u64,
     /// Our pointer, or `None` when our allocator ran out of memory for it.
     ptr: Option<DevicePtr>,
+    /// Freed already (at its `free_requested`), behind work on this waiter stream that
+    /// completes at its `free_completed`.
+    waiting: Option<StreamId>,
+}
+
+/// Waiter streams of `--deferred-frees`: each outstanding waiting free has its own, reused
+/// once its work completed, so that completing one never completes another.
+#[derive(Default)]
+struct Waiters {
+    free: Vec<StreamId>,
+    next: StreamId,
+}
+
+impl Waiters {
+    fn take(&mut self) -> StreamId {
+        self.free.pop().unwrap_or_else(|| {
+            self.next += 1;
+            WAITER_STREAMS + self.next
+        })
+    }
+    fn give_back(&mut self, s: StreamId) {
+        self.free.push(s);
+    }
+}
+
+/// Whether the `free_requested` at `i` waits: its `free_completed` is not the next event.
+fn waits(events: &[Event], i: usize) -> bool {
+    let e = &events[i];
+    !events
+        .get(i + 1)
+        .is_some_and(|n| n.action == Action::FreeCompleted && n.addr == e.addr)
 }
 
 fn is_oom(e: &CoreError) -> bool {
@@ -237,6 +273,10 @@ fn is_oom(e: &CoreError) -> bool {
 /// allocations have none and size-0 ones a null pointer, which is not freed.
 #[inline]
 fn release<B: Backend>(backend: &mut B, l: Live, action: Action) -> Result<(), ReplayErrorKind> {
+    if let Some(w) = l.waiting {
+        backend.complete(w);
+        return Ok(());
+    }
     match l.ptr {
         Some(ptr) if ptr != 0 => backend
             .free(ptr)
@@ -272,25 +312,15 @@ pub fn replay<B: Backend>(
     let fail = |event, kind| Err(ReplayError { event, kind });
     let half = events.len() / 2;
     let mut half_driver_calls = None;
+    let defer = options.deferred_frees && free_action == Action::FreeCompleted;
+    let mut waiters = Waiters::default();
+    let mut deferred_frees = 0u64;
 
     let cpu_start = thread_cpu_time();
     let wall_start = Instant::now();
     for (i, e) in events.iter().enumerate() {
         if i == half {
             half_driver_calls = backend.driver_calls();
-        }
-        if let Some(n) = std::env::var("XDBG_EVERY")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-        {
-            if i % n == 0 {
-                eprintln!(
-                    "XDBG {i} {} act {} res {}",
-                    backend.xdbg(),
-                    active >> 20,
-                    reserved >> 20
-                );
-            }
         }
         match e.action {
             Action::Alloc => {
@@ -300,6 +330,9 @@ pub fn replay<B: Backend>(
                     }
                     duplicate_allocs += 1;
                     active = active.saturating_sub(old.size);
+                    if let Some(w) = old.waiting {
+                        waiters.give_back(w);
+                    }
                     if let Err(kind) = release(backend, old, free_action) {
                         return fail(i, kind);
                     }
@@ -324,13 +357,45 @@ pub fn replay<B: Backend>(
                     }
                 };
                 reserved = backend.reserved_bytes();
-                live.insert(e.addr, Live { size: e.size, ptr });
+                let waiting = None;
+                live.insert(
+                    e.addr,
+                    Live {
+                        size: e.size,
+                        ptr,
+                        waiting,
+                    },
+                );
                 active = active.saturating_add(e.size);
                 peak_active = peak_active.max(active);
+            }
+            Action::FreeRequested if defer && waits(events, i) => {
+                if let Some(l) = live.get_mut(&e.addr) {
+                    if let (Some(ptr), None) = (l.ptr.filter(|&p| p != 0), l.waiting) {
+                        let w = waiters.take();
+                        if let Err(error) = backend.free_after(ptr, w) {
+                            let (action, size) = (Action::FreeRequested, l.size);
+                            return fail(
+                                i,
+                                ReplayErrorKind::Allocator {
+                                    action,
+                                    size,
+                                    error,
+                                },
+                            );
+                        }
+                        l.waiting = Some(w);
+                        deferred_frees += 1;
+                        reserved = backend.reserved_bytes();
+                    }
+                }
             }
             a if a == free_action => match live.remove(&e.addr) {
                 Some(l) => {
                     active = active.saturating_sub(l.size);
+                    if let Some(w) = l.waiting {
+                        waiters.give_back(w);
+                    }
                     if let Err(kind) = release(backend, l, a) {
                         return fail(i, kind);
                     }
@@ -368,6 +433,7 @@ pub fn replay<B: Backend>(
         ooms,
         first_oom,
         unknown_frees,
+        deferred_frees,
         duplicate_allocs,
         unknown_actions: trace.unknown_actions,
         wall_seconds,
@@ -430,6 +496,7 @@ mod tests {
         ReplayOptions {
             strict,
             series_points: 100,
+            deferred_frees: false,
         }
     }
 
@@ -439,6 +506,45 @@ mod tests {
             ..Exact::default()
         };
         replay(t, &mut b, &opts(strict), &mut |_| {})
+    }
+
+    /// A free the trace shows waiting (its completion not right after its request) is made at
+    /// the request and its memory is reusable only from the completion: an allocation in
+    /// between gets new memory, one after the completion reuses it.
+    #[test]
+    fn waiting_frees_are_reusable_from_their_completion() {
+        use Action::*;
+        const M: u64 = 64 << 20;
+        let t = trace(vec![
+            ev(Alloc, 1, M),
+            ev(FreeRequested, 1, M),
+            ev(Alloc, 2, M),
+            ev(FreeCompleted, 1, M),
+            ev(Alloc, 3, M),
+            ev(FreeRequested, 2, M),
+            ev(FreeCompleted, 2, M),
+        ]);
+        let replayed = |deferred_frees| {
+            let mut b = SimBackend::new(1 << 40, gmlake_core::Config::default()).unwrap();
+            let o = ReplayOptions {
+                deferred_frees,
+                ..opts(true)
+            };
+            let m = replay(&t, &mut b, &o, &mut |_| {}).unwrap();
+            (m, b.summary(0))
+        };
+        let (m, ours) = replayed(true);
+        assert_eq!(m.deferred_frees, 1, "only the first free waits");
+        assert_eq!(
+            m.sampled_peak_reserved_bytes,
+            2 * M,
+            "reused before or never after"
+        );
+        assert!(ours.driver_calls.record_event > 0 && ours.driver_calls.query_event > 0);
+        let (m, ours_instant) = replayed(false);
+        assert_eq!(m.deferred_frees, 0);
+        assert_eq!(m.sampled_peak_reserved_bytes, 2 * M);
+        assert!(ours_instant.driver_calls.total() < ours.driver_calls.total());
     }
 
     #[test]

@@ -55,6 +55,9 @@ pub struct Row {
     pub native_oom_events: u64,
     /// Frees of addresses with no live allocation (ignored; `--strict` makes them fatal).
     pub unknown_frees: u64,
+    /// Frees replayed as waiting for other streams: freed at `free_requested`, reusable from
+    /// the trace's `free_completed` (0 with `--instant-frees`).
+    pub deferred_frees: u64,
     /// Allocations at a still-live address (the older one was freed first).
     pub duplicate_allocs: u64,
     /// Events with an action this version does not know (ignored).
@@ -136,6 +139,7 @@ impl Row {
             native_fits: native <= capacity,
             native_oom_events: m.native.oom_events(),
             unknown_frees: m.unknown_frees,
+            deferred_frees: m.deferred_frees,
             duplicate_allocs: m.duplicate_allocs,
             unknown_actions: m.unknown_actions,
             read_seconds: 0.0,
@@ -355,6 +359,7 @@ mod tests {
             ooms: 0,
             first_oom: None,
             unknown_frees: 2,
+            deferred_frees: 0,
             duplicate_allocs: 0,
             unknown_actions: 0,
             wall_seconds: 0.002,

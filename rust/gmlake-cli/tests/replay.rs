@@ -555,6 +555,50 @@ fn replay_predicts_the_gpu_for_the_two_rank_zero3_job() {
     replay_predicts_the_gpu("zero3-lr-rank0");
 }
 
+/// The same job's driver calls: the replay makes each waiting free at its request and lets
+/// its pages be reused from its completion (as the GPU's events do), so it counts the event
+/// calls and re-stitches the GPU made: within 15% of the GPU's total (10% on 2026-11-25),
+/// where freeing everything at completion (`--instant-frees`) is 42% short.
+#[test]
+fn replay_predicts_the_gpu_driver_calls_of_the_zero3_job() {
+    let gpu: Value = serde_json::from_str(
+        &std::fs::read_to_string(trace("zero3-lr-rank0.gpu.json")).expect("GPU figures bundled"),
+    )
+    .expect("GPU figures are JSON");
+    let gpu_calls = &gpu["runs"]["gmlake"]["driver_calls"];
+    let calls = |extra: &[&str]| {
+        let mut args: Vec<&std::ffi::OsStr> = vec!["replay".as_ref(), "--json".as_ref()];
+        args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
+        let t = trace("zero3-lr-rank0.pickle.gz");
+        args.push(t.as_os_str());
+        let rows = json_rows(&gmlake(&args));
+        (
+            rows[0]["driver_calls"].clone(),
+            rows[0]["deferred_frees"].as_u64().unwrap(),
+        )
+    };
+    let off = |ours: &Value, kind: &str| {
+        let (o, g) = (
+            ours[kind].as_f64().unwrap(),
+            gpu_calls[kind].as_f64().unwrap(),
+        );
+        (o - g).abs() / g
+    };
+    let (deferred, n) = calls(&[]);
+    assert!(n > 5000, "{n} waiting frees replayed");
+    assert!(
+        off(&deferred, "total") <= 0.15,
+        "total {deferred} vs GPU {gpu_calls}"
+    );
+    assert!(
+        off(&deferred, "query_event") <= 0.15,
+        "events {deferred} vs GPU {gpu_calls}"
+    );
+    let (instant, n) = calls(&["--instant-frees"]);
+    assert_eq!(n, 0);
+    assert!(off(&instant, "total") > 0.3, "instant frees: {instant}");
+}
+
 /// `NAME.pickle.gz` replayed: peak reserved within 2% of what gmlake reserved on the GPU in
 /// the same run (`NAME.gpu.json`), native's segments exactly native's peak there, and
 /// utilization at least 0.97.

@@ -155,6 +155,9 @@ pub struct SimDevice {
     /// [`SimDevice::complete_stream`], `synchronize` or `wait_event`, modelling kernels still
     /// in flight.
     asynchronous: bool,
+    /// Events recorded on streams at or above this id stay pending until completed
+    /// explicitly, the others complete at once ([`SimDevice::pending_from`]).
+    pending_from: Option<StreamId>,
     /// Whether fills and copies model contents (off for fast replays of large traces).
     contents: bool,
     state: Mutex<SimState>,
@@ -179,6 +182,7 @@ impl SimDevice {
             capacity,
             granularity,
             asynchronous: false,
+            pending_from: None,
             contents: true,
             state: Mutex::new(SimState {
                 next_va: VA_BASE,
@@ -193,6 +197,16 @@ impl SimDevice {
     /// Events recorded from now on stay pending until completed explicitly.
     pub fn asynchronous(mut self) -> SimDevice {
         self.asynchronous = true;
+        self
+    }
+
+    /// Events recorded on streams `first` and above stay pending until
+    /// [`SimDevice::complete_stream`] (or `complete_all`, `synchronize`, `wait_event`); events
+    /// of lower streams complete at once. The replay gives each free that the trace shows
+    /// waiting for other work (`free_requested` long before `free_completed`) a stream of its
+    /// own up there, completed when the trace says the wait ended.
+    pub fn pending_from(mut self, first: StreamId) -> SimDevice {
+        self.pending_from = Some(first);
         self
     }
 
@@ -770,7 +784,9 @@ impl Device for SimDevice {
         st.calls.record_event += 1;
         match st.events.get_mut(&event.0) {
             Some(p) => {
-                *p = self.asynchronous.then_some(stream);
+                let pending =
+                    self.asynchronous || self.pending_from.is_some_and(|first| stream >= first);
+                *p = pending.then_some(stream);
                 Ok(())
             }
             None => invalid(format!("record of unknown event {}", event.0)),
@@ -1020,6 +1036,20 @@ mod tests {
         d.complete_all();
         assert!(d.query_event(e3).unwrap());
         assert!(d.hazards().is_empty(), "{:?}", d.hazards());
+    }
+
+    #[test]
+    fn events_of_high_streams_stay_pending_the_others_complete() {
+        let d = SimDevice::new(P as u64).pending_from(100);
+        let (low, high) = (d.create_event().unwrap(), d.create_event().unwrap());
+        d.record_event(low, 7).unwrap();
+        d.record_event(high, 100).unwrap();
+        assert!(d.query_event(low).unwrap());
+        assert!(!d.query_event(high).unwrap());
+        d.complete_stream(101);
+        assert!(!d.query_event(high).unwrap());
+        d.complete_stream(100);
+        assert!(d.query_event(high).unwrap());
     }
 
     #[test]
