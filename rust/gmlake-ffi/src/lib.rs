@@ -18,9 +18,9 @@ pub mod capture;
 mod json;
 pub mod tier;
 
-use backend::{make_core, Core};
+use backend::{make_alloc, Alloc};
 use gmlake_core::{
-    BlockState, Config, DeviceError, DeviceStats, Error, GraphPoolId, PoolKind, SimDevice,
+    BlockState, Config, Device, DeviceError, DeviceStats, Error, GraphPoolId, PoolKind, SimDevice,
     StatArray, TraceAction,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -411,7 +411,7 @@ use ffi::{
 
 /// One device's allocator, as C++ holds it.
 pub struct Gmlake {
-    core: Box<dyn Core>,
+    alloc: std::sync::Arc<Alloc>,
     ordinal: i32,
     backend: &'static str,
 }
@@ -458,9 +458,9 @@ fn pairs(c: &Config) -> Vec<KeyValue> {
 fn new_cuda_allocator(device: i32, conf: &str) -> Result<Box<Gmlake>, String> {
     guard("new_cuda_allocator", || {
         let config = config_from(conf)?;
-        new_cuda_core(device, config).map(|core| {
+        new_cuda_alloc(device, config).map(|alloc| {
             Box::new(Gmlake {
-                core,
+                alloc,
                 ordinal: device,
                 backend: "cuda",
             })
@@ -469,15 +469,15 @@ fn new_cuda_allocator(device: i32, conf: &str) -> Result<Box<Gmlake>, String> {
 }
 
 #[cfg(feature = "cuda")]
-fn new_cuda_core(device: i32, config: Config) -> Result<Box<dyn Core>, String> {
+fn new_cuda_alloc(device: i32, config: Config) -> Result<std::sync::Arc<Alloc>, String> {
     let dev = gmlake_cuda::CudaDevice::new(device)
         .map_err(|e| format!("gmlake: cannot open CUDA device {device}: {e}"))?;
-    make_core(dev, config)
+    make_alloc(dev, config)
         .map_err(|e| format!("gmlake: cannot create the allocator of CUDA device {device}: {e}"))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn new_cuda_core(device: i32, _config: Config) -> Result<Box<dyn Core>, String> {
+fn new_cuda_alloc(device: i32, _config: Config) -> Result<std::sync::Arc<Alloc>, String> {
     Err(format!(
         "gmlake: this build has no CUDA backend (gmlake-ffi built without the `cuda` feature); \
          cannot open CUDA device {device}"
@@ -501,10 +501,10 @@ fn new_simulated_allocator(
         } else {
             SimDevice::with_granularity(capacity, granularity)
         };
-        let core = make_core(dev, config)
+        let alloc = make_alloc(dev, config)
             .map_err(|e| format!("gmlake: cannot create the simulated allocator: {e}"))?;
         Ok(Box::new(Gmlake {
-            core,
+            alloc,
             ordinal: -1,
             backend: "simulated",
         }))
@@ -636,7 +636,7 @@ fn to_snapshot(s: &gmlake_core::Snapshot) -> SnapshotRecord {
     }
 }
 
-fn oom_outcome(e: &Error, requested: u64, core: &dyn Core) -> AllocOutcome {
+fn oom_outcome(e: &Error, requested: u64, a: &Alloc) -> AllocOutcome {
     match e {
         Error::OutOfMemory(i) => AllocOutcome {
             ptr: 0,
@@ -653,14 +653,14 @@ fn oom_outcome(e: &Error, requested: u64, core: &dyn Core) -> AllocOutcome {
         },
         // A device OOM that reached us unconverted: report it as OOM with what we can read.
         _ => {
-            let s = core.stats();
+            let s = a.stats();
             AllocOutcome {
                 ptr: 0,
                 status: 1,
                 message: format!("Tried to allocate {requested} bytes: {e}"),
                 requested,
-                device_free: core.device_free().unwrap_or(0) as u64,
-                device_total: core.device_total().unwrap_or(0) as u64,
+                device_free: a.device().free_memory().unwrap_or(0) as u64,
+                device_total: a.device().total_memory().unwrap_or(0) as u64,
                 reserved: s.reserved_bytes.aggregate().current.max(0) as u64,
                 allocated: s.allocated_bytes.aggregate().current.max(0) as u64,
                 cached_free: s.cached_bytes,
@@ -700,22 +700,30 @@ fn core_err(e: impl std::fmt::Display) -> String {
     format!("gmlake: {e}")
 }
 
+fn pool(first: u64, second: u64) -> GraphPoolId {
+    GraphPoolId(first, second)
+}
+
+/// Each bridge operation is one call of [`Gmlake::with`] (or of `alloc_with` / `free_with`
+/// for the outcomes C++ reads without exceptions) on the allocator itself.
 impl Gmlake {
-    fn backend_name(&self) -> String {
-        self.backend.to_string()
+    /// Runs `f` on the allocator: a panic or an error becomes the message C++ throws.
+    fn with<T>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&Alloc) -> gmlake_core::Result<T>,
+    ) -> Result<T, String> {
+        guard(what, || f(&self.alloc).map_err(core_err))
     }
 
-    fn device_ordinal(&self) -> i32 {
-        self.ordinal
-    }
-
-    fn alloc_common(
+    /// Runs an allocation: out of memory and other errors told apart, never thrown.
+    fn alloc_with(
         &self,
         size: u64,
-        f: impl FnOnce(&dyn Core) -> gmlake_core::Result<u64>,
+        f: impl FnOnce(&Alloc) -> gmlake_core::Result<u64>,
     ) -> AllocOutcome {
-        let core = self.core.as_ref();
-        match guard("allocate", || Ok(f(core))) {
+        let a = &*self.alloc;
+        match guard("allocate", || Ok(f(a))) {
             Ok(Ok(ptr)) => AllocOutcome {
                 ptr,
                 ..AllocOutcome::default()
@@ -723,7 +731,7 @@ impl Gmlake {
             Ok(Err(e)) if is_oom(&e) => {
                 // Reading figures may itself panic if the core is broken: guard it too.
                 guard("allocate (out of memory report)", || {
-                    Ok(oom_outcome(&e, size, core))
+                    Ok(oom_outcome(&e, size, a))
                 })
                 .unwrap_or_else(|m| AllocOutcome {
                     status: 1,
@@ -747,20 +755,29 @@ impl Gmlake {
         }
     }
 
-    fn allocate(&self, size: u64, stream: u64) -> AllocOutcome {
-        self.alloc_common(size, |c| c.allocate(size, stream))
+    /// Runs a free-like call: unknown pointers and double frees told apart, never thrown.
+    fn free_with(
+        &self,
+        what: &str,
+        f: impl FnOnce(&Alloc) -> gmlake_core::Result<()>,
+    ) -> FreeOutcome {
+        free_outcome(guard(what, || Ok(f(&self.alloc))))
     }
 
-    fn allocate_in_pool(
-        &self,
-        size: u64,
-        stream: u64,
-        pool_first: u64,
-        pool_second: u64,
-    ) -> AllocOutcome {
-        self.alloc_common(size, |c| {
-            c.allocate_in(size, stream, GraphPoolId(pool_first, pool_second))
-        })
+    fn backend_name(&self) -> String {
+        self.backend.to_string()
+    }
+
+    fn device_ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    fn allocate(&self, size: u64, stream: u64) -> AllocOutcome {
+        self.alloc_with(size, |a| a.allocate(size, stream))
+    }
+
+    fn allocate_in_pool(&self, size: u64, stream: u64, first: u64, second: u64) -> AllocOutcome {
+        self.alloc_with(size, |a| a.allocate_in(size, stream, pool(first, second)))
     }
 
     fn allocate_rounded(
@@ -768,29 +785,27 @@ impl Gmlake {
         size: u64,
         rounded: u64,
         stream: u64,
-        pool_first: u64,
-        pool_second: u64,
+        first: u64,
+        second: u64,
         in_pool: bool,
     ) -> AllocOutcome {
-        let pool = if in_pool {
-            GraphPoolId(pool_first, pool_second)
+        let p = if in_pool {
+            pool(first, second)
         } else {
             GraphPoolId::DEFAULT
         };
-        self.alloc_common(size, |c| c.allocate_rounded(size, rounded, stream, pool))
+        self.alloc_with(size, |a| a.allocate_rounded(size, rounded, stream, p))
     }
 
     fn stream_uses(&self, ptr: u64) -> Vec<u64> {
-        guard("stream_uses", || {
-            Ok(self.core.stream_uses(ptr).unwrap_or_default())
+        self.with("stream_uses", |a| {
+            Ok(a.stream_uses(ptr).unwrap_or_default())
         })
         .unwrap_or_default()
     }
 
     fn clear_stream_uses(&self, ptr: u64) -> FreeOutcome {
-        free_outcome(guard("clear_stream_uses", || {
-            Ok(self.core.clear_stream_uses(ptr))
-        }))
+        self.free_with("clear_stream_uses", |a| a.clear_stream_uses(ptr))
     }
 
     fn allocate_at(
@@ -799,114 +814,93 @@ impl Gmlake {
         size: u64,
         requested: u64,
         stream: u64,
-        pool_first: u64,
-        pool_second: u64,
+        first: u64,
+        second: u64,
     ) -> Result<(), String> {
-        guard("allocate_at", || {
-            self.core
-                .allocate_at(
-                    ptr,
-                    size,
-                    requested,
-                    stream,
-                    GraphPoolId(pool_first, pool_second),
-                )
-                .map_err(core_err)
+        self.with("allocate_at", |a| {
+            a.allocate_at(ptr, size, requested, stream, pool(first, second))
         })
     }
 
     fn free_ptr(&self, ptr: u64) -> FreeOutcome {
-        free_outcome(guard("free", || Ok(self.core.free(ptr))))
+        self.free_with("free", |a| a.free(ptr))
     }
 
     fn record_stream(&self, ptr: u64, stream: u64) -> FreeOutcome {
-        free_outcome(guard("record_stream", || {
-            Ok(self.core.record_stream(ptr, stream))
-        }))
+        self.free_with("record_stream", |a| a.record_stream(ptr, stream))
     }
 
     fn empty_cache(&self) -> Result<(), String> {
-        guard("empty_cache", || self.core.empty_cache().map_err(core_err))
+        self.with("empty_cache", |a| a.empty_cache())
     }
 
     fn set_memory_fraction(&self, fraction: f64) -> Result<(), String> {
-        guard("set_memory_fraction", || {
-            self.core.set_memory_fraction(fraction).map_err(core_err)
-        })
+        self.with("set_memory_fraction", |a| a.set_memory_fraction(fraction))
     }
 
     fn memory_fraction(&self) -> Result<f64, String> {
-        guard("memory_fraction", || {
-            Ok(self.core.memory_fraction().unwrap_or(-1.0))
+        self.with("memory_fraction", |a| {
+            Ok(a.memory_fraction().unwrap_or(-1.0))
         })
     }
 
     fn set_limit(&self, bytes: u64) -> Result<(), String> {
-        guard("set_limit", || {
-            self.core.set_limit((bytes != 0).then_some(bytes));
+        self.with("set_limit", |a| {
+            a.set_limit((bytes != 0).then_some(bytes));
             Ok(())
         })
     }
 
-    fn release_pool(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
-        guard("release_pool", || {
-            self.core
-                .release_pool(GraphPoolId(pool_first, pool_second))
-                .map_err(core_err)
-        })
+    fn release_pool(&self, first: u64, second: u64) -> Result<(), String> {
+        self.with("release_pool", |a| a.release_pool(pool(first, second)))
     }
 
     fn stats(&self) -> Result<Stats, String> {
-        guard("stats", || Ok(to_stats(&self.core.stats())))
+        self.with("stats", |a| Ok(to_stats(&a.stats())))
     }
 
     fn stats_json(&self) -> Result<String, String> {
-        guard("stats_json", || {
-            let s = self.core.stats();
+        self.with("stats_json", |a| {
+            let s = a.stats();
             // No device_free here: cuMemGetInfo was seen blocking the host until the GPU was
             // idle (H100, driver 580), and statistics are read in training loops.
             let mut extra = vec![("initialized", 1)];
-            if let Ok(t) = self.core.device_total() {
+            if let Ok(t) = a.device().total_memory() {
                 extra.push(("device_total", t as u64));
             }
-            extra.push(("page_size", self.core.page_size()));
+            extra.push(("page_size", a.page_size()));
             // The largest free mapped block (what one request can get without stitching or
             // new memory): for fragmentation metrics.
-            extra.push((
-                "largest_free_block",
-                self.core.cache_info().largest_free_block,
-            ));
+            extra.push(("largest_free_block", a.cache_info().largest_free_block));
             Ok(json::stats(&s, &extra))
         })
     }
 
     fn reset_peak_stats(&self) -> Result<(), String> {
-        guard("reset_peak_stats", || {
-            self.core.reset_peak_stats();
+        self.with("reset_peak_stats", |a| {
+            a.reset_peak_stats();
             Ok(())
         })
     }
 
     fn reset_accumulated_stats(&self) -> Result<(), String> {
-        guard("reset_accumulated_stats", || {
-            self.core.reset_accumulated_stats();
+        self.with("reset_accumulated_stats", |a| {
+            a.reset_accumulated_stats();
             Ok(())
         })
     }
 
     fn snapshot(&self) -> Result<SnapshotRecord, String> {
-        guard("snapshot", || Ok(to_snapshot(&self.core.snapshot())))
+        self.with("snapshot", |a| Ok(to_snapshot(&a.snapshot())))
     }
 
     fn snapshot_json(&self) -> Result<String, String> {
-        guard("snapshot_json", || {
-            Ok(json::snapshot(&self.core.snapshot()))
-        })
+        self.with("snapshot_json", |a| Ok(json::snapshot(&a.snapshot())))
     }
 
     fn cache_info(&self) -> Result<CacheInfoRecord, String> {
-        guard("cache_info", || {
-            let c = self.core.cache_info();
+        self.with("cache_info", |a| {
+            let c = a.cache_info();
             Ok(CacheInfoRecord {
                 cached_free_bytes: c.cached_free_bytes,
                 largest_free_block: c.largest_free_block,
@@ -915,8 +909,8 @@ impl Gmlake {
     }
 
     fn allocation(&self, ptr: u64) -> Result<AllocationRecord, String> {
-        guard("allocation", || {
-            Ok(match self.core.allocation(ptr) {
+        self.with("allocation", |a| {
+            Ok(match a.allocation(ptr) {
                 Some(a) => AllocationRecord {
                     found: true,
                     ptr: a.ptr,
@@ -933,17 +927,15 @@ impl Gmlake {
     }
 
     fn set_history(&self, capacity: usize) -> Result<(), String> {
-        guard("set_history", || {
-            self.core.set_history(capacity);
+        self.with("set_history", |a| {
+            a.set_history(capacity);
             Ok(())
         })
     }
 
     fn take_history(&self) -> Result<Vec<TraceRecord>, String> {
-        guard("take_history", || {
-            Ok(self
-                .core
-                .take_history()
+        self.with("take_history", |a| {
+            Ok(a.take_history()
                 .into_iter()
                 .map(|e| TraceRecord {
                     action: trace_action(e.action),
@@ -956,82 +948,76 @@ impl Gmlake {
     }
 
     fn page_size(&self) -> Result<u64, String> {
-        guard("page_size", || Ok(self.core.page_size()))
+        self.with("page_size", |a| Ok(a.page_size()))
     }
 
     fn config(&self) -> Result<Vec<KeyValue>, String> {
-        guard("config", || Ok(pairs(&self.core.config())))
+        self.with("config", |a| Ok(pairs(&a.config())))
     }
 
     fn debug_mode(&self) -> Result<u32, String> {
-        guard("debug_mode", || Ok(self.core.config().debug.mode_bits()))
+        self.with("debug_mode", |a| Ok(a.config().debug.mode_bits()))
     }
 
     fn debug_canary_error(&self, report: &str) -> Result<(), String> {
-        guard("debug_canary_error", || {
-            self.core.debug_note_canary_error();
+        self.with("debug_canary_error", |a| {
+            a.debug_note_canary_error();
             tracing::error!(device = self.ordinal, "gmlake debug: {report}");
             Ok(())
         })
     }
 
     fn may_stitch(&self, size: u64) -> Result<bool, String> {
-        guard("may_stitch", || {
-            let c = self.core.config();
+        self.with("may_stitch", |a| {
+            let c = a.config();
             Ok(c.vmm_defragment && c.defrag_level < 5 && size >= c.frag_limit)
         })
     }
 
     fn memory_info(&self) -> Result<MemInfo, String> {
-        guard("memory_info", || {
-            let free = self.core.device_free().map_err(core_err)? as u64;
-            let total = self.core.device_total().map_err(core_err)? as u64;
+        self.with("memory_info", |a| {
+            let free = a.device().free_memory()? as u64;
+            let total = a.device().total_memory()? as u64;
             Ok(MemInfo { free, total })
         })
     }
 
-    fn begin_capture(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
-        guard("begin_capture", || {
-            self.core
-                .begin_capture(GraphPoolId(pool_first, pool_second));
+    fn begin_capture(&self, first: u64, second: u64) -> Result<(), String> {
+        self.with("begin_capture", |a| {
+            backend::begin_capture(a, pool(first, second));
             Ok(())
         })
     }
 
-    fn end_capture(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
-        guard("end_capture", || {
-            self.core
-                .end_capture(GraphPoolId(pool_first, pool_second))
-                .map_err(core_err)
+    fn end_capture(&self, first: u64, second: u64) -> Result<(), String> {
+        self.with("end_capture", |a| {
+            backend::end_capture(a, pool(first, second))
         })
     }
 
     fn limit(&self) -> Result<u64, String> {
-        guard("limit", || Ok(self.core.limit().unwrap_or(0)))
+        self.with("limit", |a| Ok(a.limit().unwrap_or(0)))
     }
 
     fn add_peer(&self, peer: i32) -> Result<(), String> {
-        guard("add_peer", || self.core.add_peer(peer).map_err(core_err))
+        self.with("add_peer", |a| backend::add_peer(a, peer))
     }
 
     fn share_ipc(&self, ptr: u64) -> Result<IpcShare, String> {
-        guard("share_ipc", || {
-            let (handle, offset) = self.core.share_ipc(ptr).map_err(core_err)?;
+        self.with("share_ipc", |a| {
+            let (handle, offset) = backend::share_ipc(a, ptr)?;
             Ok(IpcShare { handle, offset })
         })
     }
 
     fn open_ipc(&self, handle: &[u8]) -> Result<u64, String> {
-        guard("open_ipc", || self.core.open_ipc(handle).map_err(core_err))
+        self.with("open_ipc", |a| backend::open_ipc(a, handle))
     }
 
     fn close_ipc(&self, ptr: u64, stream: u64) -> Result<(), String> {
-        guard("close_ipc", || {
-            self.core.close_ipc(ptr, stream).map_err(core_err)
-        })
+        self.with("close_ipc", |a| a.close_imported(ptr, stream))
     }
 }
-
 fn empty_stats_json() -> String {
     json::stats(
         &DeviceStats::default(),
