@@ -76,8 +76,9 @@ pub mod ffi {
         count: u64,
     }
 
-    /// PyTorch's `DeviceStats` (StatArrays as aggregate, small pool, large pool) plus
-    /// gmlake's own counters.
+    /// PyTorch's `DeviceStats` (StatArrays as aggregate, small pool, large pool), field for
+    /// field as `gmlake_core::for_device_stats!` lists them (`to_stats` is generated from that
+    /// list, so the compiler checks this one against it), plus gmlake's own counters by name.
     #[derive(Clone, Debug, Default)]
     struct Stats {
         allocation: [Stat; 3],
@@ -97,15 +98,9 @@ pub mod ffi {
         num_device_alloc: i64,
         num_device_free: i64,
         max_split_size: i64,
-        stitches: u64,
-        pages_stitched: u64,
-        cached_bytes: u64,
-        retired_bytes: u64,
-        pending_frees: u64,
-        unknown_frees: u64,
-        ipc_shares: u64,
-        ipc_imports: u64,
-        ipc_imported_bytes: u64,
+        /// gmlake's counters (`stitches`, `pages_stitched`, ...: the statistics' keys
+        /// `gmlake.<name>`), in the order of the list.
+        counters: Vec<NamedCount>,
         driver_calls_total: u64,
         driver_calls: Vec<NamedCount>,
     }
@@ -519,57 +514,72 @@ fn has_cuda_backend() -> bool {
     cfg!(feature = "cuda")
 }
 
-fn stat(s: &gmlake_core::Stat) -> ffi::Stat {
-    ffi::Stat {
-        current: s.current,
-        peak: s.peak,
-        allocated: s.allocated,
-        freed: s.freed,
+/// A field of `DeviceStats` as the bridge's [`Stats`] has it.
+trait ToFfi {
+    type Out;
+    fn to_ffi(&self) -> Self::Out;
+}
+
+impl ToFfi for gmlake_core::Stat {
+    type Out = ffi::Stat;
+    fn to_ffi(&self) -> ffi::Stat {
+        ffi::Stat {
+            current: self.current,
+            peak: self.peak,
+            allocated: self.allocated,
+            freed: self.freed,
+        }
     }
 }
 
-fn stat_array(a: &StatArray) -> [ffi::Stat; 3] {
-    [stat(&a.0[0]), stat(&a.0[1]), stat(&a.0[2])]
+impl ToFfi for StatArray {
+    type Out = [ffi::Stat; 3];
+    fn to_ffi(&self) -> [ffi::Stat; 3] {
+        self.0.map(|s| s.to_ffi())
+    }
 }
 
-fn to_stats(s: &DeviceStats) -> Stats {
-    Stats {
-        allocation: stat_array(&s.allocation),
-        segment: stat_array(&s.segment),
-        active: stat_array(&s.active),
-        inactive_split: stat_array(&s.inactive_split),
-        allocated_bytes: stat_array(&s.allocated_bytes),
-        reserved_bytes: stat_array(&s.reserved_bytes),
-        active_bytes: stat_array(&s.active_bytes),
-        inactive_split_bytes: stat_array(&s.inactive_split_bytes),
-        requested_bytes: stat_array(&s.requested_bytes),
-        num_alloc_retries: s.num_alloc_retries,
-        num_ooms: s.num_ooms,
-        oversize_allocations: stat(&s.oversize_allocations),
-        oversize_segments: stat(&s.oversize_segments),
-        num_sync_all_streams: s.num_sync_all_streams,
-        num_device_alloc: s.num_device_alloc,
-        num_device_free: s.num_device_free,
-        max_split_size: s.max_split_size,
-        stitches: s.stitches,
-        pages_stitched: s.pages_stitched,
-        cached_bytes: s.cached_bytes,
-        retired_bytes: s.retired_bytes,
-        pending_frees: s.pending_frees,
-        unknown_frees: s.unknown_frees,
-        ipc_shares: s.ipc_shares,
-        ipc_imports: s.ipc_imports,
-        ipc_imported_bytes: s.ipc_imported_bytes,
-        driver_calls_total: s.driver_calls.total(),
-        driver_calls: s
-            .driver_calls
-            .as_pairs()
+impl ToFfi for i64 {
+    type Out = i64;
+    fn to_ffi(&self) -> i64 {
+        *self
+    }
+}
+
+fn named(pairs: &[(&str, u64)]) -> Vec<NamedCount> {
+    pairs
+        .iter()
+        .map(|&(name, count)| NamedCount {
+            name: name.to_string(),
+            count,
+        })
+        .collect()
+}
+
+macro_rules! define_to_stats {
+    (
+        torch { $( $(#[$tdoc:meta])* $t:ident : $tty:ty = $treset:ident, )* }
+        gmlake { $($rest:tt)* }
+    ) => {
+        fn to_stats(s: &DeviceStats) -> Stats {
+            Stats {
+                $( $t: s.$t.to_ffi(), )*
+                counters: named(&s.counters()),
+                driver_calls_total: s.driver_calls.total(),
+                driver_calls: named(&s.driver_calls.as_pairs()),
+            }
+        }
+    };
+}
+gmlake_core::for_device_stats!(define_to_stats);
+
+impl Stats {
+    /// One of gmlake's counters by name (0 when there is none of that name).
+    pub fn counter(&self, name: &str) -> u64 {
+        self.counters
             .iter()
-            .map(|&(name, count)| NamedCount {
-                name: name.to_string(),
-                count,
-            })
-            .collect(),
+            .find(|c| c.name == name)
+            .map_or(0, |c| c.count)
     }
 }
 
