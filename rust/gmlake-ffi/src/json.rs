@@ -23,6 +23,22 @@ fn string(out: &mut String, s: &str) {
     out.push('"');
 }
 
+/// Appends a JSON array of `items`, each written by `each`.
+fn array<T>(
+    out: &mut String,
+    items: impl IntoIterator<Item = T>,
+    mut each: impl FnMut(&mut String, T),
+) {
+    out.push('[');
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        each(out, item);
+    }
+    out.push(']');
+}
+
 struct Obj<'a> {
     out: &'a mut String,
     first: bool,
@@ -114,55 +130,39 @@ pub fn snapshot(s: &Snapshot) -> String {
         }
         c.end();
     }
-    {
-        let segs = o.key("segments");
-        segs.push('[');
-        for (i, seg) in s.segments.iter().enumerate() {
-            if i > 0 {
-                segs.push(',');
-            }
-            let mut so = Obj::new(segs);
-            so.num("address", seg.address);
-            so.num("total_size", seg.total_size);
-            so.num("allocated_size", seg.allocated_size);
-            so.num("active_size", seg.active_size);
-            so.num("requested_size", seg.requested_size);
-            so.num("stream", seg.stream);
-            so.str(
-                "segment_type",
-                if seg.pool == gmlake_core::PoolKind::Large {
-                    "large"
-                } else {
-                    "small"
-                },
-            );
-            {
-                let p = so.key("segment_pool_id");
-                let _ = write!(p, "[{},{}]", seg.graph_pool.0, seg.graph_pool.1);
-            }
-            so.boolean("stitched", seg.stitched);
-            so.num("pages", seg.pages);
-            {
-                let bl = so.key("blocks");
-                bl.push('[');
-                for (j, b) in seg.blocks.iter().enumerate() {
-                    if j > 0 {
-                        bl.push(',');
-                    }
-                    let mut bo = Obj::new(bl);
-                    bo.num("address", b.address);
-                    bo.num("size", b.size);
-                    bo.num("requested_size", b.requested_size);
-                    bo.str("state", b.state.torch_name());
-                    bo.boolean("stitched", b.stitched);
-                    bo.end();
-                }
-                bl.push(']');
-            }
-            so.end();
+    array(o.key("segments"), &s.segments, |out, seg| {
+        let mut so = Obj::new(out);
+        so.num("address", seg.address);
+        so.num("total_size", seg.total_size);
+        so.num("allocated_size", seg.allocated_size);
+        so.num("active_size", seg.active_size);
+        so.num("requested_size", seg.requested_size);
+        so.num("stream", seg.stream);
+        so.str(
+            "segment_type",
+            if seg.pool == gmlake_core::PoolKind::Large {
+                "large"
+            } else {
+                "small"
+            },
+        );
+        {
+            let p = so.key("segment_pool_id");
+            let _ = write!(p, "[{},{}]", seg.graph_pool.0, seg.graph_pool.1);
         }
-        segs.push(']');
-    }
+        so.boolean("stitched", seg.stitched);
+        so.num("pages", seg.pages);
+        array(so.key("blocks"), &seg.blocks, |out, b| {
+            let mut bo = Obj::new(out);
+            bo.num("address", b.address);
+            bo.num("size", b.size);
+            bo.num("requested_size", b.requested_size);
+            bo.str("state", b.state.torch_name());
+            bo.boolean("stitched", b.stitched);
+            bo.end();
+        });
+        so.end();
+    });
     o.end();
     out
 }

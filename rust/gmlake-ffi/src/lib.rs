@@ -6,12 +6,13 @@
 //! Error conventions at the boundary:
 //! - every function catches panics (`catch_unwind`): a panic becomes an error, never an abort;
 //! - fallible calls return `Result`, thrown in C++ as `rust::Error` with the message;
-//! - allocation returns [`ffi::AllocOutcome`], which tells out-of-memory (`status == 1`, with
-//!   the figures of PyTorch's message and the core's own message) from other errors, so C++
-//!   can throw `c10::OutOfMemoryError`;
-//! - free and record_stream return [`ffi::FreeOutcome`], so C++ can tolerate pointers that
-//!   gmlake never handed out (allocated before the install) without exceptions on the
-//!   deleter path.
+//! - allocation returns [`ffi::AllocOutcome`], which tells out-of-memory
+//!   ([`ffi::AllocStatus::OutOfMemory`], with the figures of PyTorch's message and the core's
+//!   own message) from other errors, so C++ can throw `c10::OutOfMemoryError`;
+//! - free and record_stream return [`ffi::FreeOutcome`] ([`ffi::FreeStatus`]), so C++ can
+//!   tolerate pointers that gmlake never handed out (allocated before the install) without
+//!   exceptions on the deleter path;
+//! - status, state, action and kind codes are cxx shared enums: C++ reads them by name.
 
 mod backend;
 pub mod capture;
@@ -30,16 +31,84 @@ pub use backend::PeerAccess;
 
 #[cxx::bridge(namespace = "gmlake::ffi")]
 pub mod ffi {
+    // Codes both sides read by name (values of their own only where someone else fixed them:
+    // PyTorch's actions, the IPC type byte, the tier's C API).
+
+    /// How an allocation ended.
+    #[derive(Debug)]
+    enum AllocStatus {
+        Allocated,
+        OutOfMemory,
+        /// Any other error (the message says which).
+        Failed,
+    }
+
+    /// How a free (or record_stream, or clear_stream_uses) ended.
+    #[derive(Debug)]
+    enum FreeStatus {
+        Done,
+        /// Not allocated by gmlake (e.g. before the install).
+        UnknownPointer,
+        DoubleFree,
+        /// Any other error (the message says which).
+        Failed,
+    }
+
+    /// A snapshot block's state, as PyTorch names them.
+    #[derive(Debug)]
+    enum BlockState {
+        ActiveAllocated,
+        ActivePendingFree,
+        Inactive,
+    }
+
+    /// PyTorch's `TraceEntry::Action`, with its names and values (stable since 2.0; C++ uses
+    /// it as `gmlake::Action`).
+    #[repr(u8)]
+    #[derive(Debug)]
+    enum TraceAction {
+        ALLOC = 0,
+        FREE_REQUESTED = 1,
+        FREE_COMPLETED = 2,
+        SEGMENT_ALLOC = 3,
+        SEGMENT_FREE = 4,
+        SEGMENT_MAP = 5,
+        SEGMENT_UNMAP = 6,
+        SNAPSHOT = 7,
+        OOM = 8,
+    }
+
+    /// The type of an IPC handle: PyTorch's type byte.
+    #[repr(u8)]
+    #[derive(Debug)]
+    enum IpcHandleKind {
+        /// b'c': a cudaIpcMemHandle_t, opened by the caller with cudaIpcOpenMemHandle.
+        CudaMalloc = 99,
+        /// b'e': gmlake's pages (`open_ipc`).
+        Pages = 101,
+    }
+
+    /// Where a host tier tensor is (`Unknown`: no such tensor).
+    #[repr(i32)]
+    #[derive(Debug)]
+    enum TierState {
+        Unknown = -1,
+        Resident = 0,
+        Put = 1,
+        Evicting = 2,
+        Evicted = 3,
+        Fetching = 4,
+    }
+
     /// What an allocation came to.
     #[derive(Clone, Debug, Default)]
     struct AllocOutcome {
         /// The device pointer (0 for a 0-byte request or a failure).
         ptr: u64,
-        /// 0: allocated; 1: out of memory; 2: any other error (message says which).
-        status: u8,
+        status: AllocStatus,
         /// The error's message (empty on success).
         message: String,
-        /// Out-of-memory figures (status 1): bytes asked for, device free/total, bytes
+        /// Out-of-memory figures (`OutOfMemory`): bytes asked for, device free/total, bytes
         /// reserved and allocated by gmlake, cached bytes that could not be stitched,
         /// the limit (0: none) and stitches so far.
         requested: u64,
@@ -55,9 +124,7 @@ pub mod ffi {
     /// What a free (or record_stream) came to.
     #[derive(Clone, Debug, Default)]
     struct FreeOutcome {
-        /// 0: done; 1: unknown pointer (not allocated by gmlake); 2: double free;
-        /// 3: any other error.
-        status: u8,
+        status: FreeStatus,
         message: String,
     }
 
@@ -105,14 +172,13 @@ pub mod ffi {
         driver_calls: Vec<NamedCount>,
     }
 
-    /// A block of a snapshot segment. `state`: 0 active_allocated, 1 active_pending_free,
-    /// 2 inactive.
-    #[derive(Clone, Debug, Default)]
+    /// A block of a snapshot segment.
+    #[derive(Clone, Debug)]
     struct BlockRecord {
         address: u64,
         size: u64,
         requested_size: u64,
-        state: u8,
+        state: BlockState,
         stitched: bool,
     }
 
@@ -164,12 +230,10 @@ pub mod ffi {
         pool_second: u64,
     }
 
-    /// A history event. `action` follows PyTorch's `TraceEntry::Action` order:
-    /// 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc, 4 segment_free,
-    /// 5 segment_map, 6 segment_unmap, 7 snapshot, 8 oom.
-    #[derive(Clone, Copy, Debug, Default)]
+    /// A history event.
+    #[derive(Clone, Copy, Debug)]
     struct TraceRecord {
-        action: u8,
+        action: TraceAction,
         addr: u64,
         size: u64,
         stream: u64,
@@ -271,8 +335,7 @@ pub mod ffi {
         fn reconfigure(self: &GmlakeTier, conf: &TierConf) -> Result<()>;
         fn stats(self: &GmlakeTier) -> TierStatsRecord;
         fn stats_json(self: &GmlakeTier) -> String;
-        /// -1: unknown; 0 resident, 1 put, 2 evicting, 3 evicted, 4 fetching.
-        fn state(self: &GmlakeTier, id: u64) -> i32;
+        fn state(self: &GmlakeTier, id: u64) -> TierState;
         fn size(self: &GmlakeTier, id: u64) -> u64;
         fn verify(self: &GmlakeTier) -> Result<()>;
     }
@@ -385,9 +448,8 @@ pub mod ffi {
         /// Grants device `peer` access to this device's memory, present and future.
         fn add_peer(self: &Gmlake, peer: i32) -> Result<()>;
 
-        /// The type of an IPC handle after checking it: b'c' (a cudaIpcMemHandle_t, opened
-        /// by the caller with cudaIpcOpenMemHandle) or b'e' (pages: `open_ipc`).
-        fn ipc_handle_kind(handle: &[u8]) -> Result<u8>;
+        /// The type of an IPC handle, after checking it.
+        fn ipc_handle_kind(handle: &[u8]) -> Result<IpcHandleKind>;
         /// Shares the live allocation containing `ptr` with other processes.
         fn share_ipc(self: &Gmlake, ptr: u64) -> Result<IpcShare>;
         /// Maps the pages of a page handle of another process; returns the range's address.
@@ -400,8 +462,9 @@ pub mod ffi {
 }
 
 use ffi::{
-    AllocOutcome, AllocationRecord, BlockRecord, CacheInfoRecord, FreeOutcome, IpcShare, KeyValue,
-    MemInfo, NamedCount, SegmentRecord, SnapshotRecord, Stats, TraceRecord,
+    AllocOutcome, AllocStatus, AllocationRecord, BlockRecord, CacheInfoRecord, FreeOutcome,
+    FreeStatus, IpcHandleKind, IpcShare, KeyValue, MemInfo, NamedCount, SegmentRecord,
+    SnapshotRecord, Stats, TraceRecord,
 };
 
 /// One device's allocator, as C++ holds it.
@@ -583,24 +646,36 @@ impl Stats {
     }
 }
 
-fn block_state(s: BlockState) -> u8 {
+fn block_state(s: BlockState) -> ffi::BlockState {
     match s {
-        BlockState::ActiveAllocated => 0,
-        BlockState::ActivePendingFree => 1,
-        BlockState::Inactive => 2,
+        BlockState::ActiveAllocated => ffi::BlockState::ActiveAllocated,
+        BlockState::ActivePendingFree => ffi::BlockState::ActivePendingFree,
+        BlockState::Inactive => ffi::BlockState::Inactive,
     }
 }
 
-fn trace_action(a: TraceAction) -> u8 {
+fn trace_action(a: TraceAction) -> ffi::TraceAction {
     match a {
-        TraceAction::Alloc => 0,
-        TraceAction::FreeRequested => 1,
-        TraceAction::FreeCompleted => 2,
-        TraceAction::SegmentAlloc => 3,
-        TraceAction::SegmentFree => 4,
-        TraceAction::SegmentMap => 5,
-        TraceAction::SegmentUnmap => 6,
-        TraceAction::Oom => 8,
+        TraceAction::Alloc => ffi::TraceAction::ALLOC,
+        TraceAction::FreeRequested => ffi::TraceAction::FREE_REQUESTED,
+        TraceAction::FreeCompleted => ffi::TraceAction::FREE_COMPLETED,
+        TraceAction::SegmentAlloc => ffi::TraceAction::SEGMENT_ALLOC,
+        TraceAction::SegmentFree => ffi::TraceAction::SEGMENT_FREE,
+        TraceAction::SegmentMap => ffi::TraceAction::SEGMENT_MAP,
+        TraceAction::SegmentUnmap => ffi::TraceAction::SEGMENT_UNMAP,
+        TraceAction::Oom => ffi::TraceAction::OOM,
+    }
+}
+
+// Outcomes start as successes (`..AllocOutcome::default()`).
+impl Default for AllocStatus {
+    fn default() -> Self {
+        AllocStatus::Allocated
+    }
+}
+impl Default for FreeStatus {
+    fn default() -> Self {
+        FreeStatus::Done
     }
 }
 
@@ -650,7 +725,7 @@ fn oom_outcome(e: &Error, requested: u64, a: &Alloc) -> AllocOutcome {
     match e {
         Error::OutOfMemory(i) => AllocOutcome {
             ptr: 0,
-            status: 1,
+            status: AllocStatus::OutOfMemory,
             message: e.to_string(),
             requested: i.requested,
             device_free: i.device_free,
@@ -666,7 +741,7 @@ fn oom_outcome(e: &Error, requested: u64, a: &Alloc) -> AllocOutcome {
             let s = a.stats();
             AllocOutcome {
                 ptr: 0,
-                status: 1,
+                status: AllocStatus::OutOfMemory,
                 message: format!("Tried to allocate {requested} bytes: {e}"),
                 requested,
                 device_free: a.device().free_memory().unwrap_or(0) as u64,
@@ -693,14 +768,14 @@ fn free_outcome(r: Result<gmlake_core::Result<()>, String>) -> FreeOutcome {
         Ok(Ok(())) => FreeOutcome::default(),
         Ok(Err(e)) => FreeOutcome {
             status: match e {
-                Error::UnknownPointer(_) => 1,
-                Error::DoubleFree(_) => 2,
-                _ => 3,
+                Error::UnknownPointer(_) => FreeStatus::UnknownPointer,
+                Error::DoubleFree(_) => FreeStatus::DoubleFree,
+                _ => FreeStatus::Failed,
             },
             message: e.to_string(),
         },
         Err(panic) => FreeOutcome {
-            status: 3,
+            status: FreeStatus::Failed,
             message: panic,
         },
     }
@@ -744,20 +819,20 @@ impl Gmlake {
                     Ok(oom_outcome(&e, size, a))
                 })
                 .unwrap_or_else(|m| AllocOutcome {
-                    status: 1,
+                    status: AllocStatus::OutOfMemory,
                     message: format!("{e} ({m})"),
                     requested: size,
                     ..AllocOutcome::default()
                 })
             }
             Ok(Err(e)) => AllocOutcome {
-                status: 2,
+                status: AllocStatus::Failed,
                 message: core_err(e),
                 requested: size,
                 ..AllocOutcome::default()
             },
             Err(panic) => AllocOutcome {
-                status: 2,
+                status: AllocStatus::Failed,
                 message: panic,
                 requested: size,
                 ..AllocOutcome::default()
@@ -922,14 +997,14 @@ impl Gmlake {
         self.with("allocation", |a| {
             Ok(match a.allocation(ptr) {
                 Some(a) => AllocationRecord {
-                    found: true,
                     ptr: a.ptr,
                     size: a.size,
                     requested: a.requested,
                     stream: a.stream,
-                    is_large: a.pool == PoolKind::Large,
+                    found: true,
                     pool_first: a.graph_pool.0,
                     pool_second: a.graph_pool.1,
+                    is_large: a.pool == PoolKind::Large,
                 },
                 None => AllocationRecord::default(),
             })
@@ -1035,11 +1110,11 @@ fn empty_stats_json() -> String {
     )
 }
 
-fn ipc_handle_kind(handle: &[u8]) -> Result<u8, String> {
+fn ipc_handle_kind(handle: &[u8]) -> Result<IpcHandleKind, String> {
     guard("ipc_handle_kind", || {
         match gmlake_core::ipc::decode(handle).map_err(core_err)? {
-            gmlake_core::IpcHandle::CudaMalloc(_) => Ok(gmlake_core::ipc::KIND_CUDA_MALLOC),
-            gmlake_core::IpcHandle::Pages { .. } => Ok(gmlake_core::ipc::KIND_PAGES),
+            gmlake_core::IpcHandle::CudaMalloc(_) => Ok(IpcHandleKind::CudaMalloc),
+            gmlake_core::IpcHandle::Pages { .. } => Ok(IpcHandleKind::Pages),
         }
     })
 }

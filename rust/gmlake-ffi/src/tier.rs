@@ -9,7 +9,7 @@
 //! what it returns is always safe on the stream asked for.
 
 use crate::backend::Dev;
-use crate::ffi::{TierConf, TierFetch, TierStatsRecord};
+use crate::ffi::{TierConf, TierFetch, TierState, TierStatsRecord};
 use crate::{core_err, guard, Gmlake};
 use gmlake_core::{
     EvictionPolicy, Lru, SizeLatencyAware, TensorId, TensorState, Tier, TierConfig, TierStats,
@@ -64,14 +64,14 @@ pub fn settings(
     ))
 }
 
-fn state_code(s: Option<TensorState>) -> i32 {
+fn state_code(s: Option<TensorState>) -> TierState {
     match s {
-        None => -1,
-        Some(TensorState::Resident) => 0,
-        Some(TensorState::Put) => 1,
-        Some(TensorState::Evicting) => 2,
-        Some(TensorState::Evicted) => 3,
-        Some(TensorState::Fetching) => 4,
+        None => TierState::Unknown,
+        Some(TensorState::Resident) => TierState::Resident,
+        Some(TensorState::Put) => TierState::Put,
+        Some(TensorState::Evicting) => TierState::Evicting,
+        Some(TensorState::Evicted) => TierState::Evicted,
+        Some(TensorState::Fetching) => TierState::Fetching,
     }
 }
 
@@ -263,8 +263,7 @@ impl GmlakeTier {
         out
     }
 
-    /// -1: unknown; 0 resident, 1 put, 2 evicting, 3 evicted, 4 fetching.
-    pub(crate) fn state(&self, id: u64) -> i32 {
+    pub(crate) fn state(&self, id: u64) -> TierState {
         state_code(self.core.state(TensorId(id)))
     }
 
