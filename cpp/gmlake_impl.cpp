@@ -668,8 +668,7 @@ void Impl::cache_info(int device, size_t* largest_block) {
       uint64_t free_bytes = mi.free;
       const uint64_t limit = c.limit();
       if (limit != 0) {
-        ffi::Stats s = c.stats();
-        const uint64_t reserved = static_cast<uint64_t>(std::max<int64_t>(0, s.reserved_bytes[0].current));
+        const uint64_t reserved = c.reserved_bytes();
         free_bytes = std::min<uint64_t>(free_bytes, limit > reserved ? limit - reserved : 0);
       }
       const uint64_t page = c.page_size();

@@ -445,6 +445,9 @@ pub mod ffi {
         fn end_capture(self: &Gmlake, pool_first: u64, pool_second: u64) -> Result<()>;
         /// The cap on reserved bytes in force (memory fraction or limit), 0 for none.
         fn limit(self: &Gmlake) -> Result<u64>;
+        /// Bytes reserved now (the statistics' `reserved_bytes.all.current`), without building
+        /// the whole statistics record.
+        fn reserved_bytes(self: &Gmlake) -> Result<u64>;
         /// Grants device `peer` access to this device's memory, present and future.
         fn add_peer(self: &Gmlake, peer: i32) -> Result<()>;
 
@@ -1082,6 +1085,12 @@ impl Gmlake {
 
     fn limit(&self) -> Result<u64, String> {
         self.with("limit", |a| Ok(a.limit().unwrap_or(0)))
+    }
+
+    fn reserved_bytes(&self) -> Result<u64, String> {
+        self.with("reserved_bytes", |a| {
+            Ok(a.stats().reserved_bytes.aggregate().current.max(0) as u64)
+        })
     }
 
     fn add_peer(&self, peer: i32) -> Result<(), String> {

@@ -69,6 +69,10 @@ fn allocate_free_and_stats() {
     );
     let s = a.stats().unwrap();
     assert_eq!(s.allocated_bytes[0].current, 0);
+    assert_eq!(
+        a.reserved_bytes().unwrap(),
+        s.reserved_bytes[0].current as u64
+    );
     assert!(s.driver_calls_total > 0);
     assert_eq!(s.driver_calls.len(), 11);
     let j = a.stats_json().unwrap();
