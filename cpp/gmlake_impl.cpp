@@ -347,13 +347,13 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     std::lock_guard<std::mutex> g(ds.hist.mu);
     r = call();
     drain(ds, ctx, nullptr);
-    if (r.status == 0 && r.ptr != 0 && ctx) {
+    if (r.status == ffi::AllocStatus::Allocated && r.ptr != 0 && ctx) {
       ds.hist.contexts[r.ptr] = ctx;
     }
     debug_ctx = std::move(ctx);
   }
 
-  if (C10_UNLIKELY(r.status == 1) && !in_pool && !ds.pools.routing()) {
+  if (C10_UNLIKELY(r.status == ffi::AllocStatus::OutOfMemory) && !in_pool && !ds.pools.routing()) {
     // The host tier may free memory (evictions whose copies complete, more evictions); not
     // while a graph may be capturing (it waits for the device).
     TierRelief relief = g_tier_relief.load(std::memory_order_acquire);
@@ -361,7 +361,7 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
       r = call();
     }
   }
-  if (C10_LIKELY(r.status == 0)) {
+  if (C10_LIKELY(r.status == ffi::AllocStatus::Allocated)) {
     void* p = reinterpret_cast<void*>(static_cast<uintptr_t>(r.ptr));
     // Debug mode (not during a capture: no work may be queued on a capturing stream, and no
     // event queried): fill the canary of the new block, check those of freed ones.
@@ -393,7 +393,7 @@ void* Impl::malloc_on(int device, size_t nbytes, cudaStream_t stream) {
     }
     return p;
   }
-  if (r.status == 1) {
+  if (r.status == ffi::AllocStatus::OutOfMemory) {
     raise_oom(device, r, nbytes, stream);
   }
   TORCH_CHECK(
@@ -526,17 +526,17 @@ void Impl::free(void* ptr) noexcept {
       debug_poll(ds, false);
     }
     switch (r.status) {
-      case 0:
+      case ffi::FreeStatus::Done:
         compat::trace_gpu_free(ptr);
         break;
-      case 1:
+      case ffi::FreeStatus::UnknownPointer:
         log_once(
             "foreign-free",
             "ignoring a free of a pointer that gmlake did not allocate (allocated before gmlake "
             "was installed?): " +
                 std::string(r.message));
         return;
-      case 2:
+      case ffi::FreeStatus::DoubleFree:
         std::fprintf(stderr, "[gmlake] warning: %s\n", std::string(r.message).c_str());
         return;
       default:
@@ -583,13 +583,13 @@ void Impl::record_stream(void* ptr, c10::DeleterFnPtr deleter, int device, cudaS
     devices_[d]->debug->on_record_stream(as_u64(ptr));
   }
   ffi::FreeOutcome r = core_if_created(d)->record_stream(as_u64(ptr), stream_id(stream));
-  if (r.status == 1) {
+  if (r.status == ffi::FreeStatus::UnknownPointer) {
     log_once(
         "foreign-record",
         "ignoring record_stream on a pointer that gmlake did not allocate: " + std::string(r.message));
     return;
   }
-  TORCH_CHECK(r.status == 0, "gmlake: record_stream failed: ", std::string(r.message));
+  TORCH_CHECK(r.status == ffi::FreeStatus::Done, "gmlake: record_stream failed: ", std::string(r.message));
 }
 
 void* Impl::base_allocation(void* ptr, size_t* size) {
@@ -668,8 +668,7 @@ void Impl::cache_info(int device, size_t* largest_block) {
       uint64_t free_bytes = mi.free;
       const uint64_t limit = c.limit();
       if (limit != 0) {
-        ffi::Stats s = c.stats();
-        const uint64_t reserved = static_cast<uint64_t>(std::max<int64_t>(0, s.reserved_bytes[0].current));
+        const uint64_t reserved = c.reserved_bytes();
         free_bytes = std::min<uint64_t>(free_bytes, limit > reserved ? limit - reserved : 0);
       }
       const uint64_t page = c.page_size();
@@ -955,8 +954,8 @@ SnapshotData Impl::snapshot(PoolId pool, bool include_traces) {
         BlockRec br;
         br.size = std::min<uint64_t>(b->size, end - b->address);
         br.requested_size = b->requested_size;
-        br.allocated = b->state == 0;
-        br.active = b->state != 2;
+        br.allocated = b->state == ffi::BlockState::ActiveAllocated;
+        br.active = b->state != ffi::BlockState::Inactive;
         br.stitched = b->stitched;
         if (br.allocated) {
           auto it = ds.hist.contexts.find(b->address);
@@ -1040,7 +1039,7 @@ std::vector<Impl::PoolBlock> Impl::live_blocks_in_pool(int device, PoolId pool) 
       continue;
     }
     for (const auto& b : seg.blocks) {
-      if (b.state == 0) {
+      if (b.state == ffi::BlockState::ActiveAllocated) {
         out.push_back(PoolBlock{b.address, b.size, b.requested_size, seg.stream});
       }
     }
@@ -1210,13 +1209,13 @@ std::pair<int64_t, std::string> Impl::share_ipc(void* ptr) {
 std::shared_ptr<void> Impl::get_ipc_dev_ptr(const std::string& handle) {
   const rust::Slice<const uint8_t> bytes(
       reinterpret_cast<const uint8_t*>(handle.data()), handle.size());
-  uint8_t kind = 0;
+  ffi::IpcHandleKind kind = ffi::IpcHandleKind::Pages;
   try {
     kind = ffi::ipc_handle_kind(bytes);
   } catch (const rust::Error& e) {
     TORCH_CHECK(false, "gmlake: getIpcDevPtr: ", e.what());
   }
-  if (kind == 'c') {
+  if (kind == ffi::IpcHandleKind::CudaMalloc) {
     return open_cuda_ipc_handle(handle.substr(2));
   }
   c10::DeviceIndex device = 0;

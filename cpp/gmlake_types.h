@@ -23,18 +23,8 @@ using PoolId = std::pair<unsigned long long, unsigned long long>;
 using ContextPtr = std::shared_ptr<c10::GatheredContext>;
 using ContextRecorder = std::shared_ptr<c10::GatheredContext> (*)();
 
-// PyTorch's TraceEntry::Action values (stable since 2.0).
-enum class Action : uint8_t {
-  ALLOC = 0,
-  FREE_REQUESTED = 1,
-  FREE_COMPLETED = 2,
-  SEGMENT_ALLOC = 3,
-  SEGMENT_FREE = 4,
-  SEGMENT_MAP = 5,
-  SEGMENT_UNMAP = 6,
-  SNAPSHOT = 7,
-  OOM = 8,
-};
+// PyTorch's TraceEntry::Action values (stable since 2.0), as the bridge defines them.
+using Action = ffi::TraceAction;
 
 // When contexts are gathered, as PyTorch's RecordContext.
 enum class When : int { NEVER = 0, STATE = 1, ALLOC = 2, ALL = 3 };

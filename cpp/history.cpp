@@ -102,10 +102,10 @@ void History::drain(
     when = when_;
   }
   for (const auto& ev : events) {
-    if (ev.action > static_cast<uint8_t>(Action::OOM)) {
+    if (static_cast<uint8_t>(ev.action) > static_cast<uint8_t>(Action::OOM)) {
       continue;
     }
-    Action a = static_cast<Action>(ev.action);
+    Action a = ev.action;
     ContextPtr ctx;
     switch (a) {
       case Action::FREE_REQUESTED:

@@ -238,10 +238,10 @@ void DevicePools::free_safe_blocks(const ffi::Gmlake& c, cudaStream_t stream, On
   c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
   for (uint64_t p : ready) {
     ffi::FreeOutcome r = c.clear_stream_uses(p);
-    if (r.status == 0) {
+    if (r.status == ffi::FreeStatus::Done) {
       r = c.free_ptr(p);
     }
-    if (r.status != 0) {
+    if (r.status != ffi::FreeStatus::Done) {
       log("capture-reuse", "gmlake: freeing a block held during capture failed: " + std::string(r.message));
     }
   }
@@ -259,7 +259,7 @@ void DevicePools::flush_deferred(const ffi::Gmlake& c, OnceLog& log) {
   relaxed.emplace(cudaStreamCaptureModeRelaxed);
   for (const auto& kv : deferred_) {
     ffi::FreeOutcome r = c.free_ptr(kv.first);
-    if (r.status != 0) {
+    if (r.status != ffi::FreeStatus::Done) {
       log("capture-reuse", "gmlake: freeing a block held during capture failed: " + std::string(r.message));
     }
   }

@@ -411,7 +411,7 @@ GMLAKE_EXPORT int gmlake_tier_state(int64_t handle) {
       return fail("gmlake.tier.state: unknown handle");
     }
     const Entry& e = g_entries.at(h->second.key);
-    return g_tiers[e.device]->state(e.id);
+    return static_cast<int>(g_tiers[e.device]->state(e.id));
   } catch (const std::exception& e) {
     return fail(e.what());
   }
@@ -511,7 +511,7 @@ GMLAKE_EXPORT void* gmlake_tier_test_storage(uint64_t nbytes) {
       return nullptr;
     }
     ffi::AllocOutcome r = g_sim->allocate(nbytes, 0);
-    if (r.status != 0) {
+    if (r.status != ffi::AllocStatus::Allocated) {
       fail(std::string(r.message));
       return nullptr;
     }

@@ -34,7 +34,7 @@ pub use ipc::{IpcHandle, SharedPages};
 pub use sim::SimDevice;
 pub use stats::{
     BlockInfo, BlockState, DeviceStats, DriverCalls, PoolKind, SegmentInfo, Snapshot, Stat,
-    StatArray,
+    StatArray, StatField, StatValue,
 };
 pub use tier::{
     EvictionPolicy, Fetched, Lru, SizeLatencyAware, TensorId, TensorState, Tier, TierConfig,

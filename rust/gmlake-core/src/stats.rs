@@ -109,17 +109,7 @@ pub struct DriverCalls {
 
 impl DriverCalls {
     pub fn total(&self) -> u64 {
-        self.create_physical
-            + self.release_physical
-            + self.reserve_va
-            + self.free_va
-            + self.map
-            + self.unmap
-            + self.set_access
-            + self.create_event
-            + self.record_event
-            + self.query_event
-            + self.synchronize
+        self.as_pairs().iter().map(|&(_, n)| n).sum()
     }
 
     pub fn as_pairs(&self) -> [(&'static str, u64); 11] {
@@ -139,114 +129,201 @@ impl DriverCalls {
     }
 }
 
-/// PyTorch's `DeviceStats` fields and this allocator's own counters.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct DeviceStats {
-    pub allocation: StatArray,
-    pub segment: StatArray,
-    pub active: StatArray,
-    pub inactive_split: StatArray,
-    pub allocated_bytes: StatArray,
-    pub reserved_bytes: StatArray,
-    pub active_bytes: StatArray,
-    pub inactive_split_bytes: StatArray,
-    pub requested_bytes: StatArray,
-    pub num_alloc_retries: i64,
-    pub num_ooms: i64,
-    pub oversize_allocations: Stat,
-    pub oversize_segments: Stat,
-    pub num_sync_all_streams: i64,
-    pub num_device_alloc: i64,
-    pub num_device_free: i64,
-    /// PyTorch's `max_split_size`: this allocator splits any block, so it is unlimited (-1
-    /// would be "unset"; PyTorch reports SIZE_MAX as unlimited).
-    pub max_split_size: i64,
-
-    /// Allocations that were served by mapping pages taken from cached free blocks.
-    pub stitches: u64,
-    /// Pages moved by those stitches.
-    pub pages_stitched: u64,
-    /// Misses served with no driver call by reusing a kept stitched mapping whose pages were
-    /// all free, and the pages taken back for them.
-    pub stitch_reuses: u64,
-    pub pages_reused: u64,
-    /// Kept aliases unmapped and refilled with another page, to reuse a range whose other
-    /// pages were free.
-    pub aliases_replaced: u64,
-    /// Kept mappings unmapped because there were more than `max_aliases` allowed.
-    pub alias_evictions: u64,
-    /// Bytes of kept aliases (virtual ranges still mapped onto pages active elsewhere).
-    pub aliased_bytes: u64,
-    /// Bytes cached in free mapped blocks (reusable without a driver call).
-    pub cached_bytes: u64,
-    /// Bytes of pages reachable only through a retired mapping waiting to be unmapped.
-    pub retired_bytes: u64,
-    /// Free blocks that had to wait for another stream before stitching (record_stream).
-    pub pending_frees: u64,
-    /// Frees of pointers this allocator did not hand out, tolerated.
-    pub unknown_frees: u64,
-    /// Allocations shared with other processes (CUDA IPC exports).
-    pub ipc_shares: u64,
-    /// Ranges imported from other processes and mapped now, and their bytes (not counted in
-    /// reserved or allocated bytes: the memory is the exporter's).
-    pub ipc_imports: u64,
-    pub ipc_imported_bytes: u64,
-    /// Memory debugging mode (all 0 when it is off): live allocations placed between guard
-    /// pages and the bytes of their guard pages (virtual only); freed blocks held in the
-    /// quarantine and their bytes; damaged canaries found; pages the mode holds (counted in
-    /// reserved bytes).
-    pub debug_guarded: u64,
-    pub debug_guard_bytes: u64,
-    pub debug_quarantine_blocks: u64,
-    pub debug_quarantine_bytes: u64,
-    pub debug_canary_errors: u64,
-    pub debug_pages: u64,
-    pub driver_calls: DriverCalls,
+/// The fields of [`DeviceStats`], listed once: PyTorch's `DeviceStats` fields (`torch`, keys
+/// of `torch.cuda.memory_stats()` as named) and gmlake's own counters (`gmlake`, read as
+/// `gmlake.<name>`). Passes the list to the macro `$callback`; the struct, its resets and its
+/// iteration ([`DeviceStats::fields`], [`DeviceStats::counters`]) are generated from it here,
+/// and so is the bridge's record (`gmlake-ffi`). Each field is `name: type = reset`, where
+/// `reset` says what `reset_accumulated` does to it: `accumulated` (cleared: a count of events),
+/// or `gauge` (kept: a level).
+#[macro_export]
+macro_rules! for_device_stats {
+    ($callback:ident) => {
+        $callback! {
+            torch {
+                allocation: StatArray = accumulated,
+                segment: StatArray = accumulated,
+                active: StatArray = accumulated,
+                inactive_split: StatArray = accumulated,
+                allocated_bytes: StatArray = accumulated,
+                reserved_bytes: StatArray = accumulated,
+                active_bytes: StatArray = accumulated,
+                inactive_split_bytes: StatArray = accumulated,
+                requested_bytes: StatArray = accumulated,
+                num_alloc_retries: i64 = accumulated,
+                num_ooms: i64 = accumulated,
+                oversize_allocations: Stat = accumulated,
+                oversize_segments: Stat = accumulated,
+                num_sync_all_streams: i64 = accumulated,
+                num_device_alloc: i64 = accumulated,
+                num_device_free: i64 = accumulated,
+                /// PyTorch's `max_split_size`: this allocator splits any block, so it is
+                /// unlimited (-1 would be "unset"; PyTorch reports SIZE_MAX as unlimited).
+                max_split_size: i64 = gauge,
+            }
+            gmlake {
+                /// Allocations that were served by mapping pages taken from cached free blocks.
+                stitches: u64 = accumulated,
+                /// Pages moved by those stitches.
+                pages_stitched: u64 = accumulated,
+                /// Misses served with no driver call by reusing a kept stitched mapping whose
+                /// pages were all free, and the pages taken back for them.
+                stitch_reuses: u64 = accumulated,
+                pages_reused: u64 = accumulated,
+                /// Kept mappings unmapped because there were more than `max_aliases` allowed.
+                alias_evictions: u64 = accumulated,
+                /// Kept aliases unmapped and refilled with another page, to reuse a range whose
+                /// other pages were free.
+                aliases_replaced: u64 = accumulated,
+                /// Bytes of kept aliases (virtual ranges still mapped onto pages active
+                /// elsewhere).
+                aliased_bytes: u64 = gauge,
+                /// Bytes cached in free mapped blocks (reusable without a driver call).
+                cached_bytes: u64 = gauge,
+                /// Bytes of pages reachable only through a retired mapping waiting to be
+                /// unmapped.
+                retired_bytes: u64 = gauge,
+                /// Free blocks that had to wait for another stream before stitching
+                /// (record_stream).
+                pending_frees: u64 = gauge,
+                /// Frees of pointers this allocator did not hand out, tolerated.
+                unknown_frees: u64 = gauge,
+                /// Allocations shared with other processes (CUDA IPC exports).
+                ipc_shares: u64 = gauge,
+                /// Ranges imported from other processes and mapped now, and their bytes (not
+                /// counted in reserved or allocated bytes: the memory is the exporter's).
+                ipc_imports: u64 = gauge,
+                ipc_imported_bytes: u64 = gauge,
+                /// Memory debugging mode (all 0 when it is off): live allocations placed
+                /// between guard pages and the bytes of their guard pages (virtual only); freed
+                /// blocks held in the quarantine and their bytes; damaged canaries found; pages
+                /// the mode holds (counted in reserved bytes).
+                debug_guarded: u64 = gauge,
+                debug_guard_bytes: u64 = gauge,
+                debug_quarantine_blocks: u64 = gauge,
+                debug_quarantine_bytes: u64 = gauge,
+                debug_canary_errors: u64 = gauge,
+                debug_pages: u64 = gauge,
+            }
+        }
+    };
 }
 
-impl DeviceStats {
-    pub fn reset_accumulated(&mut self) {
-        for s in self.arrays_mut() {
-            s.for_each(Stat::reset_accumulated);
-        }
-        self.oversize_allocations.reset_accumulated();
-        self.oversize_segments.reset_accumulated();
-        self.num_alloc_retries = 0;
-        self.num_ooms = 0;
-        self.num_sync_all_streams = 0;
-        self.num_device_alloc = 0;
-        self.num_device_free = 0;
-        self.stitches = 0;
-        self.pages_stitched = 0;
-        self.stitch_reuses = 0;
-        self.pages_reused = 0;
-        self.alias_evictions = 0;
-        self.aliases_replaced = 0;
-        self.driver_calls = DriverCalls::default();
-    }
+/// One field of [`DeviceStats`], as [`DeviceStats::fields`] hands it out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatValue<'a> {
+    /// A PyTorch `StatArray` (aggregate, small pool, large pool).
+    Array(&'a StatArray),
+    /// A PyTorch `Stat`.
+    Stat(&'a Stat),
+    /// A PyTorch counter.
+    Int(i64),
+    /// One of gmlake's counters.
+    Count(u64),
+}
 
-    pub fn reset_peak(&mut self) {
-        for s in self.arrays_mut() {
-            s.for_each(Stat::reset_peak);
-        }
-        self.oversize_allocations.reset_peak();
-        self.oversize_segments.reset_peak();
-    }
+/// The types a [`DeviceStats`] field may have.
+pub trait StatField {
+    fn value(&self) -> StatValue<'_>;
+    /// Clears what accumulates (a field marked `accumulated`).
+    fn reset_accumulated(&mut self);
+    /// Brings peaks down to the current values.
+    fn reset_peak(&mut self) {}
+}
 
-    fn arrays_mut(&mut self) -> [&mut StatArray; 9] {
-        [
-            &mut self.allocation,
-            &mut self.segment,
-            &mut self.active,
-            &mut self.inactive_split,
-            &mut self.allocated_bytes,
-            &mut self.reserved_bytes,
-            &mut self.active_bytes,
-            &mut self.inactive_split_bytes,
-            &mut self.requested_bytes,
-        ]
+impl StatField for StatArray {
+    fn value(&self) -> StatValue<'_> {
+        StatValue::Array(self)
+    }
+    fn reset_accumulated(&mut self) {
+        self.for_each(Stat::reset_accumulated);
+    }
+    fn reset_peak(&mut self) {
+        self.for_each(Stat::reset_peak);
     }
 }
+
+impl StatField for Stat {
+    fn value(&self) -> StatValue<'_> {
+        StatValue::Stat(self)
+    }
+    fn reset_accumulated(&mut self) {
+        Stat::reset_accumulated(self);
+    }
+    fn reset_peak(&mut self) {
+        Stat::reset_peak(self);
+    }
+}
+
+impl StatField for i64 {
+    fn value(&self) -> StatValue<'_> {
+        StatValue::Int(*self)
+    }
+    fn reset_accumulated(&mut self) {
+        *self = 0;
+    }
+}
+
+impl StatField for u64 {
+    fn value(&self) -> StatValue<'_> {
+        StatValue::Count(*self)
+    }
+    fn reset_accumulated(&mut self) {
+        *self = 0;
+    }
+}
+
+macro_rules! reset_field {
+    (accumulated, $field:expr) => {
+        StatField::reset_accumulated(&mut $field)
+    };
+    (gauge, $field:expr) => {};
+}
+
+macro_rules! define_device_stats {
+    (
+        torch { $( $(#[$tdoc:meta])* $t:ident : $tty:ty = $treset:ident, )* }
+        gmlake { $( $(#[$gdoc:meta])* $g:ident : $gty:ty = $greset:ident, )* }
+    ) => {
+        /// PyTorch's `DeviceStats` fields and this allocator's own counters (listed in
+        /// [`for_device_stats!`](crate::for_device_stats)).
+        #[derive(Clone, Debug, Default, PartialEq)]
+        pub struct DeviceStats {
+            $( $(#[$tdoc])* pub $t: $tty, )*
+            $( $(#[$gdoc])* pub $g: $gty, )*
+            pub driver_calls: DriverCalls,
+        }
+
+        impl DeviceStats {
+            /// PyTorch's fields, in PyTorch's order, by name.
+            pub fn fields(&self) -> [(&'static str, StatValue<'_>); TORCH_FIELDS] {
+                [$( (stringify!($t), StatField::value(&self.$t)), )*]
+            }
+
+            /// gmlake's counters by name (without the `gmlake.` of the statistics' keys).
+            pub fn counters(&self) -> [(&'static str, u64); GMLAKE_COUNTERS] {
+                [$( (stringify!($g), self.$g), )*]
+            }
+
+            pub fn reset_accumulated(&mut self) {
+                $( reset_field!($treset, self.$t); )*
+                $( reset_field!($greset, self.$g); )*
+                self.driver_calls = DriverCalls::default();
+            }
+
+            pub fn reset_peak(&mut self) {
+                $( StatField::reset_peak(&mut self.$t); )*
+            }
+        }
+
+        /// How many of PyTorch's fields [`DeviceStats`] has.
+        pub const TORCH_FIELDS: usize = [$(stringify!($t)),*].len();
+        /// How many counters of gmlake's own [`DeviceStats`] has (besides driver calls).
+        pub const GMLAKE_COUNTERS: usize = [$(stringify!($g)),*].len();
+    };
+}
+
+for_device_stats!(define_device_stats);
 
 /// A block in a [`Snapshot`].
 #[derive(Clone, Debug, PartialEq, Eq)]

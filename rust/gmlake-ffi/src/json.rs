@@ -1,7 +1,7 @@
 //! Statistics and snapshots as JSON text, for the C accessors Python reads with ctypes.
 //! Hand-written (flat, numeric, ASCII keys) to keep the staticlib free of extra dependencies.
 
-use gmlake_core::{DeviceStats, Snapshot, Stat, StatArray};
+use gmlake_core::{DeviceStats, Snapshot, Stat, StatArray, StatValue};
 use std::fmt::Write;
 
 /// Appends `s` as a JSON string literal.
@@ -21,6 +21,22 @@ fn string(out: &mut String, s: &str) {
         }
     }
     out.push('"');
+}
+
+/// Appends a JSON array of `items`, each written by `each`.
+fn array<T>(
+    out: &mut String,
+    items: impl IntoIterator<Item = T>,
+    mut each: impl FnMut(&mut String, T),
+) {
+    out.push('[');
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        each(out, item);
+    }
+    out.push(']');
 }
 
 struct Obj<'a> {
@@ -79,43 +95,17 @@ fn stat(o: &mut Obj, prefix: &str, s: &Stat) {
 pub fn stats(s: &DeviceStats, extra: &[(&str, u64)]) -> String {
     let mut out = String::with_capacity(4096);
     let mut o = Obj::new(&mut out);
-    stat_array(&mut o, "allocation", &s.allocation);
-    stat_array(&mut o, "segment", &s.segment);
-    stat_array(&mut o, "active", &s.active);
-    stat_array(&mut o, "inactive_split", &s.inactive_split);
-    stat_array(&mut o, "allocated_bytes", &s.allocated_bytes);
-    stat_array(&mut o, "reserved_bytes", &s.reserved_bytes);
-    stat_array(&mut o, "active_bytes", &s.active_bytes);
-    stat_array(&mut o, "inactive_split_bytes", &s.inactive_split_bytes);
-    stat_array(&mut o, "requested_bytes", &s.requested_bytes);
-    o.num("num_alloc_retries", s.num_alloc_retries);
-    o.num("num_ooms", s.num_ooms);
-    stat(&mut o, "oversize_allocations", &s.oversize_allocations);
-    stat(&mut o, "oversize_segments", &s.oversize_segments);
-    o.num("num_sync_all_streams", s.num_sync_all_streams);
-    o.num("num_device_alloc", s.num_device_alloc);
-    o.num("num_device_free", s.num_device_free);
-    o.num("max_split_size", s.max_split_size);
-    o.num("gmlake.stitches", s.stitches);
-    o.num("gmlake.pages_stitched", s.pages_stitched);
-    o.num("gmlake.stitch_reuses", s.stitch_reuses);
-    o.num("gmlake.pages_reused", s.pages_reused);
-    o.num("gmlake.alias_evictions", s.alias_evictions);
-    o.num("gmlake.aliases_replaced", s.aliases_replaced);
-    o.num("gmlake.aliased_bytes", s.aliased_bytes);
-    o.num("gmlake.cached_bytes", s.cached_bytes);
-    o.num("gmlake.retired_bytes", s.retired_bytes);
-    o.num("gmlake.pending_frees", s.pending_frees);
-    o.num("gmlake.unknown_frees", s.unknown_frees);
-    o.num("gmlake.ipc_shares", s.ipc_shares);
-    o.num("gmlake.ipc_imports", s.ipc_imports);
-    o.num("gmlake.ipc_imported_bytes", s.ipc_imported_bytes);
-    o.num("gmlake.debug_guarded", s.debug_guarded);
-    o.num("gmlake.debug_guard_bytes", s.debug_guard_bytes);
-    o.num("gmlake.debug_quarantine_blocks", s.debug_quarantine_blocks);
-    o.num("gmlake.debug_quarantine_bytes", s.debug_quarantine_bytes);
-    o.num("gmlake.debug_canary_errors", s.debug_canary_errors);
-    o.num("gmlake.debug_pages", s.debug_pages);
+    for (name, v) in s.fields() {
+        match v {
+            StatValue::Array(a) => stat_array(&mut o, name, a),
+            StatValue::Stat(st) => stat(&mut o, name, st),
+            StatValue::Int(n) => o.num(name, n),
+            StatValue::Count(n) => o.num(name, n),
+        }
+    }
+    for (name, n) in s.counters() {
+        o.num(&format!("gmlake.{name}"), n);
+    }
     o.num("gmlake.driver_calls", s.driver_calls.total());
     for (name, n) in s.driver_calls.as_pairs() {
         o.num(&format!("gmlake.driver_calls.{name}"), n);
@@ -140,55 +130,39 @@ pub fn snapshot(s: &Snapshot) -> String {
         }
         c.end();
     }
-    {
-        let segs = o.key("segments");
-        segs.push('[');
-        for (i, seg) in s.segments.iter().enumerate() {
-            if i > 0 {
-                segs.push(',');
-            }
-            let mut so = Obj::new(segs);
-            so.num("address", seg.address);
-            so.num("total_size", seg.total_size);
-            so.num("allocated_size", seg.allocated_size);
-            so.num("active_size", seg.active_size);
-            so.num("requested_size", seg.requested_size);
-            so.num("stream", seg.stream);
-            so.str(
-                "segment_type",
-                if seg.pool == gmlake_core::PoolKind::Large {
-                    "large"
-                } else {
-                    "small"
-                },
-            );
-            {
-                let p = so.key("segment_pool_id");
-                let _ = write!(p, "[{},{}]", seg.graph_pool.0, seg.graph_pool.1);
-            }
-            so.boolean("stitched", seg.stitched);
-            so.num("pages", seg.pages);
-            {
-                let bl = so.key("blocks");
-                bl.push('[');
-                for (j, b) in seg.blocks.iter().enumerate() {
-                    if j > 0 {
-                        bl.push(',');
-                    }
-                    let mut bo = Obj::new(bl);
-                    bo.num("address", b.address);
-                    bo.num("size", b.size);
-                    bo.num("requested_size", b.requested_size);
-                    bo.str("state", b.state.torch_name());
-                    bo.boolean("stitched", b.stitched);
-                    bo.end();
-                }
-                bl.push(']');
-            }
-            so.end();
+    array(o.key("segments"), &s.segments, |out, seg| {
+        let mut so = Obj::new(out);
+        so.num("address", seg.address);
+        so.num("total_size", seg.total_size);
+        so.num("allocated_size", seg.allocated_size);
+        so.num("active_size", seg.active_size);
+        so.num("requested_size", seg.requested_size);
+        so.num("stream", seg.stream);
+        so.str(
+            "segment_type",
+            if seg.pool == gmlake_core::PoolKind::Large {
+                "large"
+            } else {
+                "small"
+            },
+        );
+        {
+            let p = so.key("segment_pool_id");
+            let _ = write!(p, "[{},{}]", seg.graph_pool.0, seg.graph_pool.1);
         }
-        segs.push(']');
-    }
+        so.boolean("stitched", seg.stitched);
+        so.num("pages", seg.pages);
+        array(so.key("blocks"), &seg.blocks, |out, b| {
+            let mut bo = Obj::new(out);
+            bo.num("address", b.address);
+            bo.num("size", b.size);
+            bo.num("requested_size", b.requested_size);
+            bo.str("state", b.state.torch_name());
+            bo.boolean("stitched", b.stitched);
+            bo.end();
+        });
+        so.end();
+    });
     o.end();
     out
 }

@@ -6,21 +6,22 @@
 //! Error conventions at the boundary:
 //! - every function catches panics (`catch_unwind`): a panic becomes an error, never an abort;
 //! - fallible calls return `Result`, thrown in C++ as `rust::Error` with the message;
-//! - allocation returns [`ffi::AllocOutcome`], which tells out-of-memory (`status == 1`, with
-//!   the figures of PyTorch's message and the core's own message) from other errors, so C++
-//!   can throw `c10::OutOfMemoryError`;
-//! - free and record_stream return [`ffi::FreeOutcome`], so C++ can tolerate pointers that
-//!   gmlake never handed out (allocated before the install) without exceptions on the
-//!   deleter path.
+//! - allocation returns [`ffi::AllocOutcome`], which tells out-of-memory
+//!   ([`ffi::AllocStatus::OutOfMemory`], with the figures of PyTorch's message and the core's
+//!   own message) from other errors, so C++ can throw `c10::OutOfMemoryError`;
+//! - free and record_stream return [`ffi::FreeOutcome`] ([`ffi::FreeStatus`]), so C++ can
+//!   tolerate pointers that gmlake never handed out (allocated before the install) without
+//!   exceptions on the deleter path;
+//! - status, state, action and kind codes are cxx shared enums: C++ reads them by name.
 
 mod backend;
 pub mod capture;
 mod json;
 pub mod tier;
 
-use backend::{make_core, Core};
+use backend::{make_alloc, Alloc};
 use gmlake_core::{
-    BlockState, Config, DeviceError, DeviceStats, Error, GraphPoolId, PoolKind, SimDevice,
+    BlockState, Config, Device, DeviceError, DeviceStats, Error, GraphPoolId, PoolKind, SimDevice,
     StatArray, TraceAction,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -30,16 +31,84 @@ pub use backend::PeerAccess;
 
 #[cxx::bridge(namespace = "gmlake::ffi")]
 pub mod ffi {
+    // Codes both sides read by name (values of their own only where someone else fixed them:
+    // PyTorch's actions, the IPC type byte, the tier's C API).
+
+    /// How an allocation ended.
+    #[derive(Debug)]
+    enum AllocStatus {
+        Allocated,
+        OutOfMemory,
+        /// Any other error (the message says which).
+        Failed,
+    }
+
+    /// How a free (or record_stream, or clear_stream_uses) ended.
+    #[derive(Debug)]
+    enum FreeStatus {
+        Done,
+        /// Not allocated by gmlake (e.g. before the install).
+        UnknownPointer,
+        DoubleFree,
+        /// Any other error (the message says which).
+        Failed,
+    }
+
+    /// A snapshot block's state, as PyTorch names them.
+    #[derive(Debug)]
+    enum BlockState {
+        ActiveAllocated,
+        ActivePendingFree,
+        Inactive,
+    }
+
+    /// PyTorch's `TraceEntry::Action`, with its names and values (stable since 2.0; C++ uses
+    /// it as `gmlake::Action`).
+    #[repr(u8)]
+    #[derive(Debug)]
+    enum TraceAction {
+        ALLOC = 0,
+        FREE_REQUESTED = 1,
+        FREE_COMPLETED = 2,
+        SEGMENT_ALLOC = 3,
+        SEGMENT_FREE = 4,
+        SEGMENT_MAP = 5,
+        SEGMENT_UNMAP = 6,
+        SNAPSHOT = 7,
+        OOM = 8,
+    }
+
+    /// The type of an IPC handle: PyTorch's type byte.
+    #[repr(u8)]
+    #[derive(Debug)]
+    enum IpcHandleKind {
+        /// b'c': a cudaIpcMemHandle_t, opened by the caller with cudaIpcOpenMemHandle.
+        CudaMalloc = 99,
+        /// b'e': gmlake's pages (`open_ipc`).
+        Pages = 101,
+    }
+
+    /// Where a host tier tensor is (`Unknown`: no such tensor).
+    #[repr(i32)]
+    #[derive(Debug)]
+    enum TierState {
+        Unknown = -1,
+        Resident = 0,
+        Put = 1,
+        Evicting = 2,
+        Evicted = 3,
+        Fetching = 4,
+    }
+
     /// What an allocation came to.
     #[derive(Clone, Debug, Default)]
     struct AllocOutcome {
         /// The device pointer (0 for a 0-byte request or a failure).
         ptr: u64,
-        /// 0: allocated; 1: out of memory; 2: any other error (message says which).
-        status: u8,
+        status: AllocStatus,
         /// The error's message (empty on success).
         message: String,
-        /// Out-of-memory figures (status 1): bytes asked for, device free/total, bytes
+        /// Out-of-memory figures (`OutOfMemory`): bytes asked for, device free/total, bytes
         /// reserved and allocated by gmlake, cached bytes that could not be stitched,
         /// the limit (0: none) and stitches so far.
         requested: u64,
@@ -55,9 +124,7 @@ pub mod ffi {
     /// What a free (or record_stream) came to.
     #[derive(Clone, Debug, Default)]
     struct FreeOutcome {
-        /// 0: done; 1: unknown pointer (not allocated by gmlake); 2: double free;
-        /// 3: any other error.
-        status: u8,
+        status: FreeStatus,
         message: String,
     }
 
@@ -76,8 +143,9 @@ pub mod ffi {
         count: u64,
     }
 
-    /// PyTorch's `DeviceStats` (StatArrays as aggregate, small pool, large pool) plus
-    /// gmlake's own counters.
+    /// PyTorch's `DeviceStats` (StatArrays as aggregate, small pool, large pool), field for
+    /// field as `gmlake_core::for_device_stats!` lists them (`to_stats` is generated from that
+    /// list, so the compiler checks this one against it), plus gmlake's own counters by name.
     #[derive(Clone, Debug, Default)]
     struct Stats {
         allocation: [Stat; 3],
@@ -97,27 +165,20 @@ pub mod ffi {
         num_device_alloc: i64,
         num_device_free: i64,
         max_split_size: i64,
-        stitches: u64,
-        pages_stitched: u64,
-        cached_bytes: u64,
-        retired_bytes: u64,
-        pending_frees: u64,
-        unknown_frees: u64,
-        ipc_shares: u64,
-        ipc_imports: u64,
-        ipc_imported_bytes: u64,
+        /// gmlake's counters (`stitches`, `pages_stitched`, ...: the statistics' keys
+        /// `gmlake.<name>`), in the order of the list.
+        counters: Vec<NamedCount>,
         driver_calls_total: u64,
         driver_calls: Vec<NamedCount>,
     }
 
-    /// A block of a snapshot segment. `state`: 0 active_allocated, 1 active_pending_free,
-    /// 2 inactive.
-    #[derive(Clone, Debug, Default)]
+    /// A block of a snapshot segment.
+    #[derive(Clone, Debug)]
     struct BlockRecord {
         address: u64,
         size: u64,
         requested_size: u64,
-        state: u8,
+        state: BlockState,
         stitched: bool,
     }
 
@@ -169,12 +230,10 @@ pub mod ffi {
         pool_second: u64,
     }
 
-    /// A history event. `action` follows PyTorch's `TraceEntry::Action` order:
-    /// 0 alloc, 1 free_requested, 2 free_completed, 3 segment_alloc, 4 segment_free,
-    /// 5 segment_map, 6 segment_unmap, 7 snapshot, 8 oom.
-    #[derive(Clone, Copy, Debug, Default)]
+    /// A history event.
+    #[derive(Clone, Copy, Debug)]
     struct TraceRecord {
-        action: u8,
+        action: TraceAction,
         addr: u64,
         size: u64,
         stream: u64,
@@ -276,8 +335,7 @@ pub mod ffi {
         fn reconfigure(self: &GmlakeTier, conf: &TierConf) -> Result<()>;
         fn stats(self: &GmlakeTier) -> TierStatsRecord;
         fn stats_json(self: &GmlakeTier) -> String;
-        /// -1: unknown; 0 resident, 1 put, 2 evicting, 3 evicted, 4 fetching.
-        fn state(self: &GmlakeTier, id: u64) -> i32;
+        fn state(self: &GmlakeTier, id: u64) -> TierState;
         fn size(self: &GmlakeTier, id: u64) -> u64;
         fn verify(self: &GmlakeTier) -> Result<()>;
     }
@@ -387,12 +445,14 @@ pub mod ffi {
         fn end_capture(self: &Gmlake, pool_first: u64, pool_second: u64) -> Result<()>;
         /// The cap on reserved bytes in force (memory fraction or limit), 0 for none.
         fn limit(self: &Gmlake) -> Result<u64>;
+        /// Bytes reserved now (the statistics' `reserved_bytes.all.current`), without building
+        /// the whole statistics record.
+        fn reserved_bytes(self: &Gmlake) -> Result<u64>;
         /// Grants device `peer` access to this device's memory, present and future.
         fn add_peer(self: &Gmlake, peer: i32) -> Result<()>;
 
-        /// The type of an IPC handle after checking it: b'c' (a cudaIpcMemHandle_t, opened
-        /// by the caller with cudaIpcOpenMemHandle) or b'e' (pages: `open_ipc`).
-        fn ipc_handle_kind(handle: &[u8]) -> Result<u8>;
+        /// The type of an IPC handle, after checking it.
+        fn ipc_handle_kind(handle: &[u8]) -> Result<IpcHandleKind>;
         /// Shares the live allocation containing `ptr` with other processes.
         fn share_ipc(self: &Gmlake, ptr: u64) -> Result<IpcShare>;
         /// Maps the pages of a page handle of another process; returns the range's address.
@@ -405,13 +465,14 @@ pub mod ffi {
 }
 
 use ffi::{
-    AllocOutcome, AllocationRecord, BlockRecord, CacheInfoRecord, FreeOutcome, IpcShare, KeyValue,
-    MemInfo, NamedCount, SegmentRecord, SnapshotRecord, Stats, TraceRecord,
+    AllocOutcome, AllocStatus, AllocationRecord, BlockRecord, CacheInfoRecord, FreeOutcome,
+    FreeStatus, IpcHandleKind, IpcShare, KeyValue, MemInfo, NamedCount, SegmentRecord,
+    SnapshotRecord, Stats, TraceRecord,
 };
 
 /// One device's allocator, as C++ holds it.
 pub struct Gmlake {
-    core: Box<dyn Core>,
+    alloc: std::sync::Arc<Alloc>,
     ordinal: i32,
     backend: &'static str,
 }
@@ -458,9 +519,9 @@ fn pairs(c: &Config) -> Vec<KeyValue> {
 fn new_cuda_allocator(device: i32, conf: &str) -> Result<Box<Gmlake>, String> {
     guard("new_cuda_allocator", || {
         let config = config_from(conf)?;
-        new_cuda_core(device, config).map(|core| {
+        new_cuda_alloc(device, config).map(|alloc| {
             Box::new(Gmlake {
-                core,
+                alloc,
                 ordinal: device,
                 backend: "cuda",
             })
@@ -469,15 +530,15 @@ fn new_cuda_allocator(device: i32, conf: &str) -> Result<Box<Gmlake>, String> {
 }
 
 #[cfg(feature = "cuda")]
-fn new_cuda_core(device: i32, config: Config) -> Result<Box<dyn Core>, String> {
+fn new_cuda_alloc(device: i32, config: Config) -> Result<std::sync::Arc<Alloc>, String> {
     let dev = gmlake_cuda::CudaDevice::new(device)
         .map_err(|e| format!("gmlake: cannot open CUDA device {device}: {e}"))?;
-    make_core(dev, config)
+    make_alloc(dev, config)
         .map_err(|e| format!("gmlake: cannot create the allocator of CUDA device {device}: {e}"))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn new_cuda_core(device: i32, _config: Config) -> Result<Box<dyn Core>, String> {
+fn new_cuda_alloc(device: i32, _config: Config) -> Result<std::sync::Arc<Alloc>, String> {
     Err(format!(
         "gmlake: this build has no CUDA backend (gmlake-ffi built without the `cuda` feature); \
          cannot open CUDA device {device}"
@@ -501,10 +562,10 @@ fn new_simulated_allocator(
         } else {
             SimDevice::with_granularity(capacity, granularity)
         };
-        let core = make_core(dev, config)
+        let alloc = make_alloc(dev, config)
             .map_err(|e| format!("gmlake: cannot create the simulated allocator: {e}"))?;
         Ok(Box::new(Gmlake {
-            core,
+            alloc,
             ordinal: -1,
             backend: "simulated",
         }))
@@ -519,78 +580,105 @@ fn has_cuda_backend() -> bool {
     cfg!(feature = "cuda")
 }
 
-fn stat(s: &gmlake_core::Stat) -> ffi::Stat {
-    ffi::Stat {
-        current: s.current,
-        peak: s.peak,
-        allocated: s.allocated,
-        freed: s.freed,
+/// A field of `DeviceStats` as the bridge's [`Stats`] has it.
+trait ToFfi {
+    type Out;
+    fn to_ffi(&self) -> Self::Out;
+}
+
+impl ToFfi for gmlake_core::Stat {
+    type Out = ffi::Stat;
+    fn to_ffi(&self) -> ffi::Stat {
+        ffi::Stat {
+            current: self.current,
+            peak: self.peak,
+            allocated: self.allocated,
+            freed: self.freed,
+        }
     }
 }
 
-fn stat_array(a: &StatArray) -> [ffi::Stat; 3] {
-    [stat(&a.0[0]), stat(&a.0[1]), stat(&a.0[2])]
+impl ToFfi for StatArray {
+    type Out = [ffi::Stat; 3];
+    fn to_ffi(&self) -> [ffi::Stat; 3] {
+        self.0.map(|s| s.to_ffi())
+    }
 }
 
-fn to_stats(s: &DeviceStats) -> Stats {
-    Stats {
-        allocation: stat_array(&s.allocation),
-        segment: stat_array(&s.segment),
-        active: stat_array(&s.active),
-        inactive_split: stat_array(&s.inactive_split),
-        allocated_bytes: stat_array(&s.allocated_bytes),
-        reserved_bytes: stat_array(&s.reserved_bytes),
-        active_bytes: stat_array(&s.active_bytes),
-        inactive_split_bytes: stat_array(&s.inactive_split_bytes),
-        requested_bytes: stat_array(&s.requested_bytes),
-        num_alloc_retries: s.num_alloc_retries,
-        num_ooms: s.num_ooms,
-        oversize_allocations: stat(&s.oversize_allocations),
-        oversize_segments: stat(&s.oversize_segments),
-        num_sync_all_streams: s.num_sync_all_streams,
-        num_device_alloc: s.num_device_alloc,
-        num_device_free: s.num_device_free,
-        max_split_size: s.max_split_size,
-        stitches: s.stitches,
-        pages_stitched: s.pages_stitched,
-        cached_bytes: s.cached_bytes,
-        retired_bytes: s.retired_bytes,
-        pending_frees: s.pending_frees,
-        unknown_frees: s.unknown_frees,
-        ipc_shares: s.ipc_shares,
-        ipc_imports: s.ipc_imports,
-        ipc_imported_bytes: s.ipc_imported_bytes,
-        driver_calls_total: s.driver_calls.total(),
-        driver_calls: s
-            .driver_calls
-            .as_pairs()
+impl ToFfi for i64 {
+    type Out = i64;
+    fn to_ffi(&self) -> i64 {
+        *self
+    }
+}
+
+fn named(pairs: &[(&str, u64)]) -> Vec<NamedCount> {
+    pairs
+        .iter()
+        .map(|&(name, count)| NamedCount {
+            name: name.to_string(),
+            count,
+        })
+        .collect()
+}
+
+macro_rules! define_to_stats {
+    (
+        torch { $( $(#[$tdoc:meta])* $t:ident : $tty:ty = $treset:ident, )* }
+        gmlake { $($rest:tt)* }
+    ) => {
+        fn to_stats(s: &DeviceStats) -> Stats {
+            Stats {
+                $( $t: s.$t.to_ffi(), )*
+                counters: named(&s.counters()),
+                driver_calls_total: s.driver_calls.total(),
+                driver_calls: named(&s.driver_calls.as_pairs()),
+            }
+        }
+    };
+}
+gmlake_core::for_device_stats!(define_to_stats);
+
+impl Stats {
+    /// One of gmlake's counters by name (0 when there is none of that name).
+    pub fn counter(&self, name: &str) -> u64 {
+        self.counters
             .iter()
-            .map(|&(name, count)| NamedCount {
-                name: name.to_string(),
-                count,
-            })
-            .collect(),
+            .find(|c| c.name == name)
+            .map_or(0, |c| c.count)
     }
 }
 
-fn block_state(s: BlockState) -> u8 {
+fn block_state(s: BlockState) -> ffi::BlockState {
     match s {
-        BlockState::ActiveAllocated => 0,
-        BlockState::ActivePendingFree => 1,
-        BlockState::Inactive => 2,
+        BlockState::ActiveAllocated => ffi::BlockState::ActiveAllocated,
+        BlockState::ActivePendingFree => ffi::BlockState::ActivePendingFree,
+        BlockState::Inactive => ffi::BlockState::Inactive,
     }
 }
 
-fn trace_action(a: TraceAction) -> u8 {
+fn trace_action(a: TraceAction) -> ffi::TraceAction {
     match a {
-        TraceAction::Alloc => 0,
-        TraceAction::FreeRequested => 1,
-        TraceAction::FreeCompleted => 2,
-        TraceAction::SegmentAlloc => 3,
-        TraceAction::SegmentFree => 4,
-        TraceAction::SegmentMap => 5,
-        TraceAction::SegmentUnmap => 6,
-        TraceAction::Oom => 8,
+        TraceAction::Alloc => ffi::TraceAction::ALLOC,
+        TraceAction::FreeRequested => ffi::TraceAction::FREE_REQUESTED,
+        TraceAction::FreeCompleted => ffi::TraceAction::FREE_COMPLETED,
+        TraceAction::SegmentAlloc => ffi::TraceAction::SEGMENT_ALLOC,
+        TraceAction::SegmentFree => ffi::TraceAction::SEGMENT_FREE,
+        TraceAction::SegmentMap => ffi::TraceAction::SEGMENT_MAP,
+        TraceAction::SegmentUnmap => ffi::TraceAction::SEGMENT_UNMAP,
+        TraceAction::Oom => ffi::TraceAction::OOM,
+    }
+}
+
+// Outcomes start as successes (`..AllocOutcome::default()`).
+impl Default for AllocStatus {
+    fn default() -> Self {
+        AllocStatus::Allocated
+    }
+}
+impl Default for FreeStatus {
+    fn default() -> Self {
+        FreeStatus::Done
     }
 }
 
@@ -636,11 +724,11 @@ fn to_snapshot(s: &gmlake_core::Snapshot) -> SnapshotRecord {
     }
 }
 
-fn oom_outcome(e: &Error, requested: u64, core: &dyn Core) -> AllocOutcome {
+fn oom_outcome(e: &Error, requested: u64, a: &Alloc) -> AllocOutcome {
     match e {
         Error::OutOfMemory(i) => AllocOutcome {
             ptr: 0,
-            status: 1,
+            status: AllocStatus::OutOfMemory,
             message: e.to_string(),
             requested: i.requested,
             device_free: i.device_free,
@@ -653,14 +741,14 @@ fn oom_outcome(e: &Error, requested: u64, core: &dyn Core) -> AllocOutcome {
         },
         // A device OOM that reached us unconverted: report it as OOM with what we can read.
         _ => {
-            let s = core.stats();
+            let s = a.stats();
             AllocOutcome {
                 ptr: 0,
-                status: 1,
+                status: AllocStatus::OutOfMemory,
                 message: format!("Tried to allocate {requested} bytes: {e}"),
                 requested,
-                device_free: core.device_free().unwrap_or(0) as u64,
-                device_total: core.device_total().unwrap_or(0) as u64,
+                device_free: a.device().free_memory().unwrap_or(0) as u64,
+                device_total: a.device().total_memory().unwrap_or(0) as u64,
                 reserved: s.reserved_bytes.aggregate().current.max(0) as u64,
                 allocated: s.allocated_bytes.aggregate().current.max(0) as u64,
                 cached_free: s.cached_bytes,
@@ -683,14 +771,14 @@ fn free_outcome(r: Result<gmlake_core::Result<()>, String>) -> FreeOutcome {
         Ok(Ok(())) => FreeOutcome::default(),
         Ok(Err(e)) => FreeOutcome {
             status: match e {
-                Error::UnknownPointer(_) => 1,
-                Error::DoubleFree(_) => 2,
-                _ => 3,
+                Error::UnknownPointer(_) => FreeStatus::UnknownPointer,
+                Error::DoubleFree(_) => FreeStatus::DoubleFree,
+                _ => FreeStatus::Failed,
             },
             message: e.to_string(),
         },
         Err(panic) => FreeOutcome {
-            status: 3,
+            status: FreeStatus::Failed,
             message: panic,
         },
     }
@@ -700,7 +788,70 @@ fn core_err(e: impl std::fmt::Display) -> String {
     format!("gmlake: {e}")
 }
 
+fn pool(first: u64, second: u64) -> GraphPoolId {
+    GraphPoolId(first, second)
+}
+
+/// Each bridge operation is one call of [`Gmlake::with`] (or of `alloc_with` / `free_with`
+/// for the outcomes C++ reads without exceptions) on the allocator itself.
 impl Gmlake {
+    /// Runs `f` on the allocator: a panic or an error becomes the message C++ throws.
+    fn with<T>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&Alloc) -> gmlake_core::Result<T>,
+    ) -> Result<T, String> {
+        guard(what, || f(&self.alloc).map_err(core_err))
+    }
+
+    /// Runs an allocation: out of memory and other errors told apart, never thrown.
+    fn alloc_with(
+        &self,
+        size: u64,
+        f: impl FnOnce(&Alloc) -> gmlake_core::Result<u64>,
+    ) -> AllocOutcome {
+        let a = &*self.alloc;
+        match guard("allocate", || Ok(f(a))) {
+            Ok(Ok(ptr)) => AllocOutcome {
+                ptr,
+                ..AllocOutcome::default()
+            },
+            Ok(Err(e)) if is_oom(&e) => {
+                // Reading figures may itself panic if the core is broken: guard it too.
+                guard("allocate (out of memory report)", || {
+                    Ok(oom_outcome(&e, size, a))
+                })
+                .unwrap_or_else(|m| AllocOutcome {
+                    status: AllocStatus::OutOfMemory,
+                    message: format!("{e} ({m})"),
+                    requested: size,
+                    ..AllocOutcome::default()
+                })
+            }
+            Ok(Err(e)) => AllocOutcome {
+                status: AllocStatus::Failed,
+                message: core_err(e),
+                requested: size,
+                ..AllocOutcome::default()
+            },
+            Err(panic) => AllocOutcome {
+                status: AllocStatus::Failed,
+                message: panic,
+                requested: size,
+                ..AllocOutcome::default()
+            },
+        }
+    }
+
+    /// Runs a free-like call: unknown pointers and double frees told apart, never thrown.
+    fn free_with(
+        &self,
+        what: &str,
+        f: impl FnOnce(&Alloc) -> gmlake_core::Result<()>,
+    ) -> FreeOutcome {
+        free_outcome(guard(what, || Ok(f(&self.alloc))))
+    }
+
     fn backend_name(&self) -> String {
         self.backend.to_string()
     }
@@ -709,58 +860,12 @@ impl Gmlake {
         self.ordinal
     }
 
-    fn alloc_common(
-        &self,
-        size: u64,
-        f: impl FnOnce(&dyn Core) -> gmlake_core::Result<u64>,
-    ) -> AllocOutcome {
-        let core = self.core.as_ref();
-        match guard("allocate", || Ok(f(core))) {
-            Ok(Ok(ptr)) => AllocOutcome {
-                ptr,
-                ..AllocOutcome::default()
-            },
-            Ok(Err(e)) if is_oom(&e) => {
-                // Reading figures may itself panic if the core is broken: guard it too.
-                guard("allocate (out of memory report)", || {
-                    Ok(oom_outcome(&e, size, core))
-                })
-                .unwrap_or_else(|m| AllocOutcome {
-                    status: 1,
-                    message: format!("{e} ({m})"),
-                    requested: size,
-                    ..AllocOutcome::default()
-                })
-            }
-            Ok(Err(e)) => AllocOutcome {
-                status: 2,
-                message: core_err(e),
-                requested: size,
-                ..AllocOutcome::default()
-            },
-            Err(panic) => AllocOutcome {
-                status: 2,
-                message: panic,
-                requested: size,
-                ..AllocOutcome::default()
-            },
-        }
-    }
-
     fn allocate(&self, size: u64, stream: u64) -> AllocOutcome {
-        self.alloc_common(size, |c| c.allocate(size, stream))
+        self.alloc_with(size, |a| a.allocate(size, stream))
     }
 
-    fn allocate_in_pool(
-        &self,
-        size: u64,
-        stream: u64,
-        pool_first: u64,
-        pool_second: u64,
-    ) -> AllocOutcome {
-        self.alloc_common(size, |c| {
-            c.allocate_in(size, stream, GraphPoolId(pool_first, pool_second))
-        })
+    fn allocate_in_pool(&self, size: u64, stream: u64, first: u64, second: u64) -> AllocOutcome {
+        self.alloc_with(size, |a| a.allocate_in(size, stream, pool(first, second)))
     }
 
     fn allocate_rounded(
@@ -768,29 +873,27 @@ impl Gmlake {
         size: u64,
         rounded: u64,
         stream: u64,
-        pool_first: u64,
-        pool_second: u64,
+        first: u64,
+        second: u64,
         in_pool: bool,
     ) -> AllocOutcome {
-        let pool = if in_pool {
-            GraphPoolId(pool_first, pool_second)
+        let p = if in_pool {
+            pool(first, second)
         } else {
             GraphPoolId::DEFAULT
         };
-        self.alloc_common(size, |c| c.allocate_rounded(size, rounded, stream, pool))
+        self.alloc_with(size, |a| a.allocate_rounded(size, rounded, stream, p))
     }
 
     fn stream_uses(&self, ptr: u64) -> Vec<u64> {
-        guard("stream_uses", || {
-            Ok(self.core.stream_uses(ptr).unwrap_or_default())
+        self.with("stream_uses", |a| {
+            Ok(a.stream_uses(ptr).unwrap_or_default())
         })
         .unwrap_or_default()
     }
 
     fn clear_stream_uses(&self, ptr: u64) -> FreeOutcome {
-        free_outcome(guard("clear_stream_uses", || {
-            Ok(self.core.clear_stream_uses(ptr))
-        }))
+        self.free_with("clear_stream_uses", |a| a.clear_stream_uses(ptr))
     }
 
     fn allocate_at(
@@ -799,114 +902,93 @@ impl Gmlake {
         size: u64,
         requested: u64,
         stream: u64,
-        pool_first: u64,
-        pool_second: u64,
+        first: u64,
+        second: u64,
     ) -> Result<(), String> {
-        guard("allocate_at", || {
-            self.core
-                .allocate_at(
-                    ptr,
-                    size,
-                    requested,
-                    stream,
-                    GraphPoolId(pool_first, pool_second),
-                )
-                .map_err(core_err)
+        self.with("allocate_at", |a| {
+            a.allocate_at(ptr, size, requested, stream, pool(first, second))
         })
     }
 
     fn free_ptr(&self, ptr: u64) -> FreeOutcome {
-        free_outcome(guard("free", || Ok(self.core.free(ptr))))
+        self.free_with("free", |a| a.free(ptr))
     }
 
     fn record_stream(&self, ptr: u64, stream: u64) -> FreeOutcome {
-        free_outcome(guard("record_stream", || {
-            Ok(self.core.record_stream(ptr, stream))
-        }))
+        self.free_with("record_stream", |a| a.record_stream(ptr, stream))
     }
 
     fn empty_cache(&self) -> Result<(), String> {
-        guard("empty_cache", || self.core.empty_cache().map_err(core_err))
+        self.with("empty_cache", |a| a.empty_cache())
     }
 
     fn set_memory_fraction(&self, fraction: f64) -> Result<(), String> {
-        guard("set_memory_fraction", || {
-            self.core.set_memory_fraction(fraction).map_err(core_err)
-        })
+        self.with("set_memory_fraction", |a| a.set_memory_fraction(fraction))
     }
 
     fn memory_fraction(&self) -> Result<f64, String> {
-        guard("memory_fraction", || {
-            Ok(self.core.memory_fraction().unwrap_or(-1.0))
+        self.with("memory_fraction", |a| {
+            Ok(a.memory_fraction().unwrap_or(-1.0))
         })
     }
 
     fn set_limit(&self, bytes: u64) -> Result<(), String> {
-        guard("set_limit", || {
-            self.core.set_limit((bytes != 0).then_some(bytes));
+        self.with("set_limit", |a| {
+            a.set_limit((bytes != 0).then_some(bytes));
             Ok(())
         })
     }
 
-    fn release_pool(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
-        guard("release_pool", || {
-            self.core
-                .release_pool(GraphPoolId(pool_first, pool_second))
-                .map_err(core_err)
-        })
+    fn release_pool(&self, first: u64, second: u64) -> Result<(), String> {
+        self.with("release_pool", |a| a.release_pool(pool(first, second)))
     }
 
     fn stats(&self) -> Result<Stats, String> {
-        guard("stats", || Ok(to_stats(&self.core.stats())))
+        self.with("stats", |a| Ok(to_stats(&a.stats())))
     }
 
     fn stats_json(&self) -> Result<String, String> {
-        guard("stats_json", || {
-            let s = self.core.stats();
+        self.with("stats_json", |a| {
+            let s = a.stats();
             // No device_free here: cuMemGetInfo was seen blocking the host until the GPU was
             // idle (H100, driver 580), and statistics are read in training loops.
             let mut extra = vec![("initialized", 1)];
-            if let Ok(t) = self.core.device_total() {
+            if let Ok(t) = a.device().total_memory() {
                 extra.push(("device_total", t as u64));
             }
-            extra.push(("page_size", self.core.page_size()));
+            extra.push(("page_size", a.page_size()));
             // The largest free mapped block (what one request can get without stitching or
             // new memory): for fragmentation metrics.
-            extra.push((
-                "largest_free_block",
-                self.core.cache_info().largest_free_block,
-            ));
+            extra.push(("largest_free_block", a.cache_info().largest_free_block));
             Ok(json::stats(&s, &extra))
         })
     }
 
     fn reset_peak_stats(&self) -> Result<(), String> {
-        guard("reset_peak_stats", || {
-            self.core.reset_peak_stats();
+        self.with("reset_peak_stats", |a| {
+            a.reset_peak_stats();
             Ok(())
         })
     }
 
     fn reset_accumulated_stats(&self) -> Result<(), String> {
-        guard("reset_accumulated_stats", || {
-            self.core.reset_accumulated_stats();
+        self.with("reset_accumulated_stats", |a| {
+            a.reset_accumulated_stats();
             Ok(())
         })
     }
 
     fn snapshot(&self) -> Result<SnapshotRecord, String> {
-        guard("snapshot", || Ok(to_snapshot(&self.core.snapshot())))
+        self.with("snapshot", |a| Ok(to_snapshot(&a.snapshot())))
     }
 
     fn snapshot_json(&self) -> Result<String, String> {
-        guard("snapshot_json", || {
-            Ok(json::snapshot(&self.core.snapshot()))
-        })
+        self.with("snapshot_json", |a| Ok(json::snapshot(&a.snapshot())))
     }
 
     fn cache_info(&self) -> Result<CacheInfoRecord, String> {
-        guard("cache_info", || {
-            let c = self.core.cache_info();
+        self.with("cache_info", |a| {
+            let c = a.cache_info();
             Ok(CacheInfoRecord {
                 cached_free_bytes: c.cached_free_bytes,
                 largest_free_block: c.largest_free_block,
@@ -915,17 +997,17 @@ impl Gmlake {
     }
 
     fn allocation(&self, ptr: u64) -> Result<AllocationRecord, String> {
-        guard("allocation", || {
-            Ok(match self.core.allocation(ptr) {
+        self.with("allocation", |a| {
+            Ok(match a.allocation(ptr) {
                 Some(a) => AllocationRecord {
-                    found: true,
                     ptr: a.ptr,
                     size: a.size,
                     requested: a.requested,
                     stream: a.stream,
-                    is_large: a.pool == PoolKind::Large,
+                    found: true,
                     pool_first: a.graph_pool.0,
                     pool_second: a.graph_pool.1,
+                    is_large: a.pool == PoolKind::Large,
                 },
                 None => AllocationRecord::default(),
             })
@@ -933,17 +1015,15 @@ impl Gmlake {
     }
 
     fn set_history(&self, capacity: usize) -> Result<(), String> {
-        guard("set_history", || {
-            self.core.set_history(capacity);
+        self.with("set_history", |a| {
+            a.set_history(capacity);
             Ok(())
         })
     }
 
     fn take_history(&self) -> Result<Vec<TraceRecord>, String> {
-        guard("take_history", || {
-            Ok(self
-                .core
-                .take_history()
+        self.with("take_history", |a| {
+            Ok(a.take_history()
                 .into_iter()
                 .map(|e| TraceRecord {
                     action: trace_action(e.action),
@@ -956,82 +1036,82 @@ impl Gmlake {
     }
 
     fn page_size(&self) -> Result<u64, String> {
-        guard("page_size", || Ok(self.core.page_size()))
+        self.with("page_size", |a| Ok(a.page_size()))
     }
 
     fn config(&self) -> Result<Vec<KeyValue>, String> {
-        guard("config", || Ok(pairs(&self.core.config())))
+        self.with("config", |a| Ok(pairs(&a.config())))
     }
 
     fn debug_mode(&self) -> Result<u32, String> {
-        guard("debug_mode", || Ok(self.core.config().debug.mode_bits()))
+        self.with("debug_mode", |a| Ok(a.config().debug.mode_bits()))
     }
 
     fn debug_canary_error(&self, report: &str) -> Result<(), String> {
-        guard("debug_canary_error", || {
-            self.core.debug_note_canary_error();
+        self.with("debug_canary_error", |a| {
+            a.debug_note_canary_error();
             tracing::error!(device = self.ordinal, "gmlake debug: {report}");
             Ok(())
         })
     }
 
     fn may_stitch(&self, size: u64) -> Result<bool, String> {
-        guard("may_stitch", || {
-            let c = self.core.config();
+        self.with("may_stitch", |a| {
+            let c = a.config();
             Ok(c.vmm_defragment && c.defrag_level < 5 && size >= c.frag_limit)
         })
     }
 
     fn memory_info(&self) -> Result<MemInfo, String> {
-        guard("memory_info", || {
-            let free = self.core.device_free().map_err(core_err)? as u64;
-            let total = self.core.device_total().map_err(core_err)? as u64;
+        self.with("memory_info", |a| {
+            let free = a.device().free_memory()? as u64;
+            let total = a.device().total_memory()? as u64;
             Ok(MemInfo { free, total })
         })
     }
 
-    fn begin_capture(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
-        guard("begin_capture", || {
-            self.core
-                .begin_capture(GraphPoolId(pool_first, pool_second));
+    fn begin_capture(&self, first: u64, second: u64) -> Result<(), String> {
+        self.with("begin_capture", |a| {
+            backend::begin_capture(a, pool(first, second));
             Ok(())
         })
     }
 
-    fn end_capture(&self, pool_first: u64, pool_second: u64) -> Result<(), String> {
-        guard("end_capture", || {
-            self.core
-                .end_capture(GraphPoolId(pool_first, pool_second))
-                .map_err(core_err)
+    fn end_capture(&self, first: u64, second: u64) -> Result<(), String> {
+        self.with("end_capture", |a| {
+            backend::end_capture(a, pool(first, second))
         })
     }
 
     fn limit(&self) -> Result<u64, String> {
-        guard("limit", || Ok(self.core.limit().unwrap_or(0)))
+        self.with("limit", |a| Ok(a.limit().unwrap_or(0)))
+    }
+
+    fn reserved_bytes(&self) -> Result<u64, String> {
+        self.with("reserved_bytes", |a| {
+            Ok(a.stats().reserved_bytes.aggregate().current.max(0) as u64)
+        })
     }
 
     fn add_peer(&self, peer: i32) -> Result<(), String> {
-        guard("add_peer", || self.core.add_peer(peer).map_err(core_err))
+        self.with("add_peer", |a| backend::add_peer(a, peer))
     }
 
     fn share_ipc(&self, ptr: u64) -> Result<IpcShare, String> {
-        guard("share_ipc", || {
-            let (handle, offset) = self.core.share_ipc(ptr).map_err(core_err)?;
+        self.with("share_ipc", |a| {
+            let (handle, offset) = backend::share_ipc(a, ptr)?;
             Ok(IpcShare { handle, offset })
         })
     }
 
     fn open_ipc(&self, handle: &[u8]) -> Result<u64, String> {
-        guard("open_ipc", || self.core.open_ipc(handle).map_err(core_err))
+        self.with("open_ipc", |a| backend::open_ipc(a, handle))
     }
 
     fn close_ipc(&self, ptr: u64, stream: u64) -> Result<(), String> {
-        guard("close_ipc", || {
-            self.core.close_ipc(ptr, stream).map_err(core_err)
-        })
+        self.with("close_ipc", |a| a.close_imported(ptr, stream))
     }
 }
-
 fn empty_stats_json() -> String {
     json::stats(
         &DeviceStats::default(),
@@ -1039,11 +1119,11 @@ fn empty_stats_json() -> String {
     )
 }
 
-fn ipc_handle_kind(handle: &[u8]) -> Result<u8, String> {
+fn ipc_handle_kind(handle: &[u8]) -> Result<IpcHandleKind, String> {
     guard("ipc_handle_kind", || {
         match gmlake_core::ipc::decode(handle).map_err(core_err)? {
-            gmlake_core::IpcHandle::CudaMalloc(_) => Ok(gmlake_core::ipc::KIND_CUDA_MALLOC),
-            gmlake_core::IpcHandle::Pages { .. } => Ok(gmlake_core::ipc::KIND_PAGES),
+            gmlake_core::IpcHandle::CudaMalloc(_) => Ok(IpcHandleKind::CudaMalloc),
+            gmlake_core::IpcHandle::Pages { .. } => Ok(IpcHandleKind::Pages),
         }
     })
 }

@@ -45,27 +45,34 @@ fn allocate_free_and_stats() {
     let a = sim(GIB, "");
     assert_eq!(a.backend_name(), "simulated");
     let r = a.allocate(3 * MIB, 0);
-    assert_eq!(r.status, 0, "{}", r.message);
+    assert_eq!(r.status, AllocStatus::Allocated, "{}", r.message);
     assert_ne!(r.ptr, 0);
     let s = a.stats().unwrap();
     assert!(s.allocated_bytes[0].current >= (3 * MIB) as i64);
     assert_eq!(s.requested_bytes[0].current, (3 * MIB) as i64);
     let info = a.allocation(r.ptr + 17).unwrap();
     assert!(info.found && info.ptr == r.ptr && info.size >= 3 * MIB);
-    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    assert_eq!(a.free_ptr(r.ptr).status, FreeStatus::Done);
     assert_eq!(
         a.free_ptr(r.ptr).status,
-        2,
+        FreeStatus::DoubleFree,
         "double free is reported, not thrown"
     );
     assert_eq!(
         a.free_ptr(0xdead_0000).status,
-        1,
+        FreeStatus::UnknownPointer,
         "foreign pointers are told apart"
     );
-    assert_eq!(a.record_stream(0xdead_0000, 5).status, 1);
+    assert_eq!(
+        a.record_stream(0xdead_0000, 5).status,
+        FreeStatus::UnknownPointer
+    );
     let s = a.stats().unwrap();
     assert_eq!(s.allocated_bytes[0].current, 0);
+    assert_eq!(
+        a.reserved_bytes().unwrap(),
+        s.reserved_bytes[0].current as u64
+    );
     assert!(s.driver_calls_total > 0);
     assert_eq!(s.driver_calls.len(), 11);
     let j = a.stats_json().unwrap();
@@ -78,7 +85,7 @@ fn allocate_free_and_stats() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("no gmlake.largest_free_block in {j}"));
     assert!(
-        largest > 0 && largest <= a.stats().unwrap().cached_bytes,
+        largest > 0 && largest <= a.stats().unwrap().counter("cached_bytes"),
         "{j}"
     );
     a.empty_cache().unwrap();
@@ -89,13 +96,13 @@ fn allocate_free_and_stats() {
 fn out_of_memory_is_told_apart() {
     let a = sim(64 * MIB, "");
     let r = a.allocate(GIB, 0);
-    assert_eq!(r.status, 1, "{}", r.message);
+    assert_eq!(r.status, AllocStatus::OutOfMemory, "{}", r.message);
     assert_eq!(r.requested, GIB);
     assert!(r.device_total >= 64 * MIB);
     assert!(!r.message.is_empty());
     // The allocator keeps working after an OOM.
     let r = a.allocate(8 * MIB, 0);
-    assert_eq!(r.status, 0, "{}", r.message);
+    assert_eq!(r.status, AllocStatus::Allocated, "{}", r.message);
     assert_eq!(a.stats().unwrap().num_ooms, 1);
 }
 
@@ -107,19 +114,19 @@ fn stitching_shows_in_stats_and_snapshot() {
     let mut ptrs = Vec::new();
     loop {
         let r = a.allocate(2 * MIB, 0);
-        if r.status != 0 {
+        if r.status != AllocStatus::Allocated {
             break;
         }
         ptrs.push(r.ptr);
     }
     assert!(ptrs.len() >= 8);
     for p in ptrs.iter().step_by(2) {
-        assert_eq!(a.free_ptr(*p).status, 0);
+        assert_eq!(a.free_ptr(*p).status, FreeStatus::Done);
     }
     let r = a.allocate(6 * MIB, 0);
-    assert_eq!(r.status, 0, "{}", r.message);
+    assert_eq!(r.status, AllocStatus::Allocated, "{}", r.message);
     let s = a.stats().unwrap();
-    assert!(s.stitches >= 1, "a stitch served the request");
+    assert!(s.counter("stitches") >= 1, "a stitch served the request");
     let snap = a.snapshot().unwrap();
     assert!(snap.segments.iter().any(|s| s.stitched));
     assert!(a.snapshot_json().unwrap().contains("\"stitched\":true"));
@@ -130,10 +137,10 @@ fn graph_pools_and_captures() {
     let a = sim(GIB, "");
     a.begin_capture(1, 0).unwrap();
     let r = a.allocate_in_pool(4 * MIB, 9, 1, 0);
-    assert_eq!(r.status, 0, "{}", r.message);
+    assert_eq!(r.status, AllocStatus::Allocated, "{}", r.message);
     let info = a.allocation(r.ptr).unwrap();
     assert_eq!((info.pool_first, info.pool_second), (1, 0));
-    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    assert_eq!(a.free_ptr(r.ptr).status, FreeStatus::Done);
     a.end_capture(1, 0).unwrap();
     assert!(a.end_capture(1, 0).is_err(), "unbalanced end");
     a.release_pool(1, 0).unwrap();
@@ -148,8 +155,10 @@ fn history_round_trip() {
     let h = a.take_history().unwrap();
     assert!(h
         .iter()
-        .any(|e| e.action == 0 && e.addr == r.ptr && e.stream == 3));
-    assert!(h.iter().any(|e| e.action == 1 && e.addr == r.ptr));
+        .any(|e| e.action == ffi::TraceAction::ALLOC && e.addr == r.ptr && e.stream == 3));
+    assert!(h
+        .iter()
+        .any(|e| e.action == ffi::TraceAction::FREE_REQUESTED && e.addr == r.ptr));
     assert!(a.take_history().unwrap().is_empty());
 }
 
@@ -174,20 +183,20 @@ fn memory_fraction_round_trip() {
 fn allocate_rounded_places_the_rounded_size() {
     let a = sim(GIB, "");
     let r = a.allocate_rounded(1000, 4096, 7, 0, 0, false);
-    assert_eq!(r.status, 0, "{}", r.message);
+    assert_eq!(r.status, AllocStatus::Allocated, "{}", r.message);
     let rec = a.allocation(r.ptr).unwrap();
     assert_eq!((rec.size, rec.requested), (4096, 1000));
-    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    assert_eq!(a.free_ptr(r.ptr).status, FreeStatus::Done);
     a.begin_capture(5, 0).unwrap();
     let r = a.allocate_rounded(1000, 2 << 20, 7, 5, 0, true);
-    assert_eq!(r.status, 0, "{}", r.message);
+    assert_eq!(r.status, AllocStatus::Allocated, "{}", r.message);
     let rec = a.allocation(r.ptr).unwrap();
     assert_eq!((rec.size, rec.pool_first), (2 << 20, 5));
     a.record_stream(r.ptr, 9);
     assert_eq!(a.stream_uses(r.ptr), vec![9]);
-    assert_eq!(a.clear_stream_uses(r.ptr).status, 0);
+    assert_eq!(a.clear_stream_uses(r.ptr).status, FreeStatus::Done);
     assert!(a.stream_uses(r.ptr).is_empty());
-    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    assert_eq!(a.free_ptr(r.ptr).status, FreeStatus::Done);
     a.end_capture(5, 0).unwrap();
 }
 
@@ -196,9 +205,9 @@ fn a_freed_pool_block_is_recreated_at_its_address() {
     let a = sim(GIB, "");
     a.begin_capture(3, 0).unwrap();
     let r = a.allocate_in_pool(MIB, 7, 3, 0);
-    assert_eq!(r.status, 0, "{}", r.message);
+    assert_eq!(r.status, AllocStatus::Allocated, "{}", r.message);
     let keep = a.allocate_in_pool(MIB, 7, 3, 0);
-    assert_eq!(a.free_ptr(r.ptr).status, 0);
+    assert_eq!(a.free_ptr(r.ptr).status, FreeStatus::Done);
     a.end_capture(3, 0).unwrap();
     a.allocate_at(r.ptr, MIB, MIB, 7, 3, 0).unwrap();
     let info = a.allocation(r.ptr).unwrap();
@@ -212,16 +221,22 @@ fn ipc_share_open_close_through_the_bridge() {
     let a = sim(GIB, "");
     let pad = a.allocate(MIB, 0);
     let r = a.allocate(5 * MIB, 0);
-    assert_eq!((pad.status, r.status), (0, 0));
+    assert_eq!(
+        (pad.status, r.status),
+        (AllocStatus::Allocated, AllocStatus::Allocated)
+    );
     let share = a.share_ipc(r.ptr).unwrap();
-    assert_eq!(ipc_handle_kind(&share.handle).unwrap(), b'e');
+    assert_eq!(
+        ipc_handle_kind(&share.handle).unwrap(),
+        IpcHandleKind::Pages
+    );
     assert_eq!(share.offset, r.ptr % (2 * MIB));
     // The simulated device is one GPU: opening the handle maps the same pages again.
     let base = a.open_ipc(&share.handle).unwrap();
     assert_eq!(base % (2 * MIB), 0);
     let s = a.stats().unwrap();
-    assert_eq!((s.ipc_shares, s.ipc_imports), (1, 1));
-    assert_eq!(s.ipc_imported_bytes, 6 * MIB);
+    assert_eq!((s.counter("ipc_shares"), s.counter("ipc_imports")), (1, 1));
+    assert_eq!(s.counter("ipc_imported_bytes"), 6 * MIB);
     assert!(a
         .stats_json()
         .unwrap()
@@ -231,7 +246,7 @@ fn ipc_share_open_close_through_the_bridge() {
         .close_ipc(base, 0)
         .unwrap_err()
         .contains("not allocated by gmlake"));
-    assert_eq!(a.stats().unwrap().ipc_imports, 0);
+    assert_eq!(a.stats().unwrap().counter("ipc_imports"), 0);
 }
 
 #[test]
@@ -243,7 +258,7 @@ fn bad_ipc_handles_are_errors() {
         .contains("unknown handle type"));
     let mut c = vec![2u8, b'c'];
     c.extend([0u8; 64]);
-    assert_eq!(ipc_handle_kind(&c).unwrap(), b'c');
+    assert_eq!(ipc_handle_kind(&c).unwrap(), IpcHandleKind::CudaMalloc);
     assert!(a.open_ipc(&c).unwrap_err().contains("cudaIpcOpenMemHandle"));
     let e = a
         .open_ipc(&gmlake_core::ipc::encode_pages(1, 2 * MIB, &[77]))
@@ -253,7 +268,7 @@ fn bad_ipc_handles_are_errors() {
         .share_ipc(0xdead000)
         .unwrap_err()
         .contains("not allocated by gmlake"));
-    assert_eq!(a.stats().unwrap().ipc_imports, 0);
+    assert_eq!(a.stats().unwrap().counter("ipc_imports"), 0);
 }
 
 #[test]
@@ -290,9 +305,9 @@ fn the_python_stats_fixture_has_the_real_keys() {
         ptrs.push(a.allocate(24 * MIB, 0).ptr);
     }
     for p in ptrs.iter().step_by(2) {
-        assert_eq!(a.free_ptr(*p).status, 0);
+        assert_eq!(a.free_ptr(*p).status, FreeStatus::Done);
     }
-    assert_eq!(a.allocate(100 * MIB, 0).status, 0);
+    assert_eq!(a.allocate(100 * MIB, 0).status, AllocStatus::Allocated);
     let live = a.stats_json().unwrap();
     if std::env::var_os("GMLAKE_UPDATE_FIXTURES").is_some() {
         let path = concat!(
@@ -321,7 +336,7 @@ fn debug_mode_through_the_bridge() {
     let g = sim(GIB, "debug:guard+canary+poison");
     assert_eq!(g.debug_mode().unwrap(), 0b111);
     let big = g.allocate(4 * MIB + 100, 0);
-    assert_eq!(big.status, 0, "{}", big.message);
+    assert_eq!(big.status, AllocStatus::Allocated, "{}", big.message);
     let a = g.allocation(big.ptr + 10).unwrap();
     assert!(a.found && a.ptr == big.ptr && a.requested == 4 * MIB + 100);
     assert_eq!(
@@ -341,8 +356,8 @@ fn debug_mode_through_the_bridge() {
     ] {
         assert!(json.contains(k), "{k} not in {json}");
     }
-    assert_eq!(g.free_ptr(big.ptr).status, 0);
-    assert_eq!(g.free_ptr(small.ptr).status, 0);
+    assert_eq!(g.free_ptr(big.ptr).status, FreeStatus::Done);
+    assert_eq!(g.free_ptr(small.ptr).status, FreeStatus::Done);
     let q = sim(GIB, "debug:all");
     assert_eq!(q.debug_mode().unwrap(), 0b1111);
     let kv = q.config().unwrap();

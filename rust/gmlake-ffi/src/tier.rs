@@ -1,5 +1,5 @@
 //! The host tier (issue 16) through the bridge: one [`gmlake_core::Tier`] over a device's
-//! allocator, its device type erased ([`TierCore`]), handed to C++ as `GmlakeTier` with plain
+//! allocator (whose device type is erased: `backend.rs`), handed to C++ as `GmlakeTier` with plain
 //! integer arguments (tensor ids, pointers and streams as `u64`).
 //!
 //! Streams: every call names the stream the client works on. A tensor brought back by `get`
@@ -8,107 +8,17 @@
 //! another stream, `get` waits for the device first (the bridge passes no events to C++), so
 //! what it returns is always safe on the stream asked for.
 
-use crate::ffi::{TierConf, TierFetch, TierStatsRecord};
+use crate::backend::Dev;
+use crate::ffi::{TierConf, TierFetch, TierState, TierStatsRecord};
 use crate::{core_err, guard, Gmlake};
 use gmlake_core::{
-    DevicePtr, EvictionPolicy, Fetched, Lru, Result, SizeLatencyAware, StreamId, TensorId,
-    TensorState, Tier, TierConfig, TierStats,
+    EvictionPolicy, Lru, SizeLatencyAware, TensorId, TensorState, Tier, TierConfig, TierStats,
 };
-
-/// The operations of [`Tier`], object-safe.
-pub trait TierCore: Send + Sync {
-    fn create(&self, size: u64, stream: StreamId) -> Result<(TensorId, DevicePtr)>;
-    fn adopt(&self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<TensorId>;
-    fn put(&self, id: TensorId, next_use: Option<u64>) -> Result<()>;
-    fn set_next_use(&self, id: TensorId, next_use: Option<u64>) -> Result<()>;
-    fn offload(&self, id: TensorId) -> Result<()>;
-    fn relieve(&self, bytes: u64) -> Result<u64>;
-    fn get(&self, id: TensorId, stream: StreamId) -> Result<Fetched>;
-    fn free(&self, id: TensorId) -> Result<()>;
-    fn advance(&self, now: u64) -> Result<()>;
-    fn poll(&self) -> Result<()>;
-    fn flush(&self) -> Result<()>;
-    fn trim_host_cache(&self) -> Result<()>;
-    fn reconfigure(&self, cfg: TierConfig, policy: Box<dyn EvictionPolicy>) -> Result<()>;
-    fn stats(&self) -> TierStats;
-    fn config(&self) -> TierConfig;
-    fn policy_name(&self) -> &'static str;
-    fn state(&self, id: TensorId) -> Option<TensorState>;
-    fn size(&self, id: TensorId) -> Option<u64>;
-    fn tensors(&self) -> usize;
-    fn now(&self) -> u64;
-    fn verify(&self) -> std::result::Result<(), String>;
-}
-
-impl<D: gmlake_core::Device + 'static> TierCore for Tier<D> {
-    fn create(&self, size: u64, stream: StreamId) -> Result<(TensorId, DevicePtr)> {
-        Tier::create(self, size, stream)
-    }
-    fn adopt(&self, ptr: DevicePtr, size: u64, stream: StreamId) -> Result<TensorId> {
-        Tier::adopt(self, ptr, size, stream)
-    }
-    fn put(&self, id: TensorId, next_use: Option<u64>) -> Result<()> {
-        Tier::put(self, id, next_use)
-    }
-    fn set_next_use(&self, id: TensorId, next_use: Option<u64>) -> Result<()> {
-        Tier::set_next_use(self, id, next_use)
-    }
-    fn offload(&self, id: TensorId) -> Result<()> {
-        Tier::offload(self, id)
-    }
-    fn relieve(&self, bytes: u64) -> Result<u64> {
-        Tier::relieve(self, bytes)
-    }
-    fn get(&self, id: TensorId, stream: StreamId) -> Result<Fetched> {
-        Tier::get(self, id, stream)
-    }
-    fn free(&self, id: TensorId) -> Result<()> {
-        Tier::free(self, id)
-    }
-    fn advance(&self, now: u64) -> Result<()> {
-        Tier::advance(self, now)
-    }
-    fn poll(&self) -> Result<()> {
-        Tier::poll(self)
-    }
-    fn flush(&self) -> Result<()> {
-        Tier::flush(self)
-    }
-    fn trim_host_cache(&self) -> Result<()> {
-        Tier::trim_host_cache(self)
-    }
-    fn reconfigure(&self, cfg: TierConfig, policy: Box<dyn EvictionPolicy>) -> Result<()> {
-        Tier::reconfigure(self, cfg, policy)
-    }
-    fn stats(&self) -> TierStats {
-        Tier::stats(self)
-    }
-    fn config(&self) -> TierConfig {
-        Tier::config(self)
-    }
-    fn policy_name(&self) -> &'static str {
-        Tier::policy_name(self)
-    }
-    fn state(&self, id: TensorId) -> Option<TensorState> {
-        Tier::state(self, id)
-    }
-    fn size(&self, id: TensorId) -> Option<u64> {
-        Tier::size(self, id)
-    }
-    fn tensors(&self) -> usize {
-        Tier::len(self)
-    }
-    fn now(&self) -> u64 {
-        Tier::now(self)
-    }
-    fn verify(&self) -> std::result::Result<(), String> {
-        Tier::verify(self)
-    }
-}
+use std::sync::Arc;
 
 /// One device's tier, as C++ holds it.
 pub struct GmlakeTier {
-    core: Box<dyn TierCore>,
+    core: Tier<Dev>,
 }
 
 /// Settings and policy from the bridge's [`TierConf`] (zeros: defaults), with
@@ -154,14 +64,14 @@ pub fn settings(
     ))
 }
 
-fn state_code(s: Option<TensorState>) -> i32 {
+fn state_code(s: Option<TensorState>) -> TierState {
     match s {
-        None => -1,
-        Some(TensorState::Resident) => 0,
-        Some(TensorState::Put) => 1,
-        Some(TensorState::Evicting) => 2,
-        Some(TensorState::Evicted) => 3,
-        Some(TensorState::Fetching) => 4,
+        None => TierState::Unknown,
+        Some(TensorState::Resident) => TierState::Resident,
+        Some(TensorState::Put) => TierState::Put,
+        Some(TensorState::Evicting) => TierState::Evicting,
+        Some(TensorState::Evicted) => TierState::Evicted,
+        Some(TensorState::Fetching) => TierState::Fetching,
     }
 }
 
@@ -199,7 +109,7 @@ impl Gmlake {
         guard("new_tier", || {
             let (cfg, policy) = settings(conf)?;
             Ok(Box::new(GmlakeTier {
-                core: self.core.new_tier(cfg, policy),
+                core: Tier::new(Arc::clone(&self.alloc), cfg, policy),
             }))
         })
     }
@@ -311,7 +221,7 @@ impl GmlakeTier {
             &s,
             self.core.policy_name(),
             &self.core.config(),
-            self.core.tensors(),
+            self.core.len(),
         )
     }
 
@@ -353,8 +263,7 @@ impl GmlakeTier {
         out
     }
 
-    /// -1: unknown; 0 resident, 1 put, 2 evicting, 3 evicted, 4 fetching.
-    pub(crate) fn state(&self, id: u64) -> i32 {
+    pub(crate) fn state(&self, id: u64) -> TierState {
         state_code(self.core.state(TensorId(id)))
     }
 

@@ -1,6 +1,6 @@
 //! The host tier through the bridge, over the simulated device (no GPU needed).
 
-use super::ffi::TierConf;
+use super::ffi::{AllocStatus, TierConf, TierState};
 use super::*;
 
 const GIB: u64 = 1 << 30;
@@ -22,18 +22,21 @@ fn adopt_put_get_free_through_the_bridge() {
     // Two allocations made by the client (a tensor's storage), handed to the tier.
     let p = a.allocate(3 * MIB, 5);
     let q = a.allocate(3 * MIB, 5);
-    assert_eq!((p.status, q.status), (0, 0));
+    assert_eq!(
+        (p.status, q.status),
+        (AllocStatus::Allocated, AllocStatus::Allocated)
+    );
     let idp = t.adopt(p.ptr, 3 * MIB, 5).unwrap();
     let idq = t.adopt(q.ptr, 3 * MIB, 5).unwrap();
-    assert_eq!(t.state(idp), 0);
+    assert_eq!(t.state(idp), TierState::Resident);
     t.put(idp, 7).unwrap();
     t.poll().unwrap();
-    assert_eq!(t.state(idp), 3, "over the budget: evicted");
+    assert_eq!(t.state(idp), TierState::Evicted, "over the budget: evicted");
     assert!(!a.allocation(p.ptr).unwrap().found, "its block went back");
     t.put(idq, -1).unwrap();
     let f = t.get(idp, 5).unwrap();
     assert!(!f.hit);
-    assert_eq!(t.state(idp), 0);
+    assert_eq!(t.state(idp), TierState::Resident);
     t.verify().unwrap();
     let s = t.stats();
     assert_eq!((s.adopts, s.puts, s.gets, s.misses), (2, 2, 1, 1));
@@ -49,7 +52,7 @@ fn adopt_put_get_free_through_the_bridge() {
     t.flush().unwrap();
     t.verify().unwrap();
     assert_eq!(t.stats().device_bytes, 0);
-    assert_eq!(t.state(idp), -1);
+    assert_eq!(t.state(idp), TierState::Unknown);
     // A freed id is an error, not a crash.
     let e = t.free(idp).unwrap_err();
     assert!(e.contains("unknown tier tensor"), "{e}");
@@ -71,12 +74,16 @@ fn create_and_reconfigure_and_bad_settings() {
     t.put(f.id, 3).unwrap();
     t.offload(f.id).unwrap();
     t.poll().unwrap();
-    assert_eq!(t.state(f.id), 3);
+    assert_eq!(t.state(f.id), TierState::Evicted);
     t.reconfigure(&conf(Some(8 * MIB), "lru")).unwrap();
     assert_eq!(t.stats().policy, "lru");
     t.advance(3).unwrap();
     t.poll().unwrap();
-    assert_eq!(t.state(f.id), 1, "prefetched back near its next use");
+    assert_eq!(
+        t.state(f.id),
+        TierState::Put,
+        "prefetched back near its next use"
+    );
     let g = t.get(f.id, 9).unwrap();
     assert!(g.hit);
     t.free(f.id).unwrap();
@@ -96,7 +103,7 @@ fn relieve_evicts_put_tensors_and_gives_their_blocks_back() {
     assert_eq!(t.relieve(MIB).unwrap(), 0, "nothing put: nothing to give");
     t.put(id, -1).unwrap();
     assert_eq!(t.relieve(MIB).unwrap(), 8 * MIB);
-    assert_eq!(t.state(id), 3);
+    assert_eq!(t.state(id), TierState::Evicted);
     t.verify().unwrap();
     t.free(id).unwrap();
 }
