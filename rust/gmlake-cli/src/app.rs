@@ -46,6 +46,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
     let options = ReplayOptions {
         strict: args.strict,
         deferred_frees: !args.instant_frees,
+        windows: args.windows.map_or(0, usize::from),
         series_points: if args.plot.is_some() {
             SERIES_POINTS
         } else {
@@ -126,6 +127,10 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
 
     if !args.json && !rows.is_empty() {
         let mut text = report::table(&rows, args.capacity.is_some());
+        for line in rows.iter().flat_map(Row::window_lines) {
+            text.push_str(&line);
+            text.push('\n');
+        }
         for note in rows.iter().flat_map(Row::notes) {
             text.push_str("note: ");
             text.push_str(&note);

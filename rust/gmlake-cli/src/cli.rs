@@ -165,6 +165,12 @@ pub struct ReplayArgs {
     /// allocator's events for it are counted.
     #[arg(long)]
     pub instant_frees: bool,
+
+    /// Also report the driver calls by kind in N windows of equal event counts (JSON:
+    /// `driver_calls_windows`; table: one line per window), to see which steps of a job
+    /// still call the driver.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1000))]
+    pub windows: Option<u16>,
 }
 
 /// One `--set KEY=VALUE`.

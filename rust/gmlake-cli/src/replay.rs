@@ -138,6 +138,9 @@ pub struct ReplayOptions {
     /// Frees whose completion the trace shows later than their request happen at the
     /// request, behind work that completes at the completion (off: `--instant-frees`).
     pub deferred_frees: bool,
+    /// `--windows N`: the backend's driver calls at the end of each of N windows of equal
+    /// event counts (0: none).
+    pub windows: usize,
 }
 
 /// What one replay measured.
@@ -170,6 +173,8 @@ pub struct Measures {
     /// The backend's driver calls after the first half of the events (a steady-state figure
     /// is the total minus these).
     pub half_driver_calls: Option<DriverCalls>,
+    /// `--windows`: (events so far, driver calls so far) at the end of each window.
+    pub window_driver_calls: Vec<(usize, DriverCalls)>,
 }
 
 /// Why a replay stopped, at which event.
@@ -315,12 +320,21 @@ pub fn replay<B: Backend>(
     let defer = options.deferred_frees && free_action == Action::FreeCompleted;
     let mut waiters = Waiters::default();
     let mut deferred_frees = 0u64;
+    let windows = options.windows.min(events.len());
+    let mut window_driver_calls = Vec::with_capacity(windows);
+    let mut next_window = 1usize;
 
     let cpu_start = thread_cpu_time();
     let wall_start = Instant::now();
     for (i, e) in events.iter().enumerate() {
         if i == half {
             half_driver_calls = backend.driver_calls();
+        }
+        if windows > 0 && i == next_window * events.len() / windows {
+            if let Some(c) = backend.driver_calls() {
+                window_driver_calls.push((i, c));
+            }
+            next_window += 1;
         }
         match e.action {
             Action::Alloc => {
@@ -416,6 +430,11 @@ pub fn replay<B: Backend>(
             progress(i);
         }
     }
+    if windows > 0 {
+        if let Some(c) = backend.driver_calls() {
+            window_driver_calls.push((events.len(), c));
+        }
+    }
     let wall_seconds = wall_start.elapsed().as_secs_f64();
     let cpu_seconds = match (cpu_start, thread_cpu_time()) {
         (Some(a), Some(b)) => Some(b.saturating_sub(a).as_secs_f64()),
@@ -440,6 +459,7 @@ pub fn replay<B: Backend>(
         cpu_seconds,
         series,
         half_driver_calls,
+        window_driver_calls,
     })
 }
 
@@ -497,6 +517,7 @@ mod tests {
             strict,
             series_points: 100,
             deferred_frees: false,
+            windows: 0,
         }
     }
 

@@ -2,6 +2,7 @@
 //! as one JSON object per line for programs.
 
 use crate::replay::{Measures, OursSummary};
+use gmlake_core::DriverCalls;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
@@ -34,6 +35,10 @@ pub struct Row {
     pub driver_calls_per_1k_events_second_half: Option<f64>,
     /// Driver calls made in the second half of the trace.
     pub driver_calls_second_half: Option<u64>,
+    /// `--windows N`: each window's events (`first_event`, `events`) and driver calls by kind
+    /// with their `total`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub driver_calls_windows: Option<Vec<Map<String, Value>>>,
     /// Estimated host time of the driver calls (ms), from per-call costs measured on an H100
     /// (`cost.rs`): idle GPU and busy GPU, whole trace and second half.
     pub driver_ms_idle: Option<f64>,
@@ -77,7 +82,59 @@ fn ratio(a: u64, b: u64) -> Option<f64> {
     (b > 0).then(|| a as f64 / b as f64)
 }
 
+/// Per-window driver calls (deltas between the cumulative snapshots of a replay).
+fn window_rows(snapshots: &[(usize, DriverCalls)]) -> Option<Vec<Map<String, Value>>> {
+    if snapshots.is_empty() {
+        return None;
+    }
+    let mut rows = Vec::with_capacity(snapshots.len());
+    let (mut first, mut before) = (0usize, DriverCalls::default());
+    for (end, calls) in snapshots {
+        let d = crate::cost::difference(calls, &before);
+        let mut row: Map<String, Value> = Map::new();
+        row.insert("first_event".into(), first.into());
+        row.insert("events".into(), (end - first).into());
+        for (k, v) in d.as_pairs() {
+            row.insert(k.to_string(), v.into());
+        }
+        row.insert("total".into(), d.total().into());
+        rows.push(row);
+        (first, before) = (*end, *calls);
+    }
+    Some(rows)
+}
+
 impl Row {
+    /// `--windows`: one line per window (table output).
+    pub fn window_lines(&self) -> Vec<String> {
+        let Some(w) = &self.driver_calls_windows else {
+            return Vec::new();
+        };
+        let n = |r: &Map<String, Value>, k: &str| r.get(k).and_then(Value::as_u64).unwrap_or(0);
+        w.iter()
+            .enumerate()
+            .map(|(i, r)| {
+                format!(
+                    "{} dev {} window {}/{} (events {}-{}): {} driver calls: map {}, unmap {}, \
+                     set_access {}, create {}, release {}, events {}",
+                    self.trace,
+                    self.device,
+                    i + 1,
+                    w.len(),
+                    n(r, "first_event"),
+                    n(r, "first_event") + n(r, "events"),
+                    n(r, "total"),
+                    n(r, "map"),
+                    n(r, "unmap"),
+                    n(r, "set_access"),
+                    n(r, "create_physical"),
+                    n(r, "release_physical"),
+                    n(r, "create_event") + n(r, "record_event") + n(r, "query_event"),
+                )
+            })
+            .collect()
+    }
+
     pub fn new(
         trace: String,
         device: usize,
@@ -127,6 +184,7 @@ impl Row {
                 .as_ref()
                 .and_then(|c| per_1k(c.total(), second_events)),
             driver_calls_second_half: second.as_ref().map(|c| c.total()),
+            driver_calls_windows: window_rows(&m.window_driver_calls),
             driver_ms_idle: est.map(|e| e.0),
             driver_ms_busy: est.map(|e| e.1),
             driver_ms_idle_second_half: est2.map(|e| e.0),
@@ -366,6 +424,7 @@ mod tests {
             cpu_seconds: Some(0.001),
             series: Series::default(),
             half_driver_calls: None,
+            window_driver_calls: Vec::new(),
         }
     }
 

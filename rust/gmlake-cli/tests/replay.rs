@@ -636,3 +636,62 @@ fn replay_predicts_the_gpu(name: &str) {
     let util = row["utilization"].as_f64().unwrap();
     assert!(util >= 0.97, "{name}: utilization {util}");
 }
+
+/// `--windows N`: the driver calls of N windows of equal event counts, which add up to the
+/// whole replay's, in JSON and as table lines; a count of 0 is refused by name.
+#[test]
+fn windows_split_the_driver_calls_and_add_up() {
+    let t = trace("decode.pickle");
+    let rows = json_rows(&gmlake(&[
+        "replay".as_ref(),
+        "--json".as_ref(),
+        "--windows".as_ref(),
+        "4".as_ref(),
+        t.as_os_str(),
+    ]));
+    let row = &rows[0];
+    let w = row["driver_calls_windows"].as_array().expect("windows");
+    assert_eq!(w.len(), 4);
+    let events = row["events"].as_u64().unwrap();
+    let mut next = 0;
+    for x in w {
+        assert_eq!(x["first_event"].as_u64(), Some(next));
+        next += x["events"].as_u64().unwrap();
+    }
+    assert_eq!(next, events);
+    for kind in [
+        "total",
+        "map",
+        "set_access",
+        "create_physical",
+        "query_event",
+    ] {
+        let sum: u64 = w.iter().map(|x| x[kind].as_u64().unwrap()).sum();
+        assert_eq!(sum, row["driver_calls"][kind].as_u64().unwrap(), "{kind}");
+    }
+    assert!(
+        w[0]["total"].as_u64().unwrap() > 0,
+        "the first window creates memory"
+    );
+
+    let out = gmlake(&[
+        "replay".as_ref(),
+        "--windows".as_ref(),
+        "3".as_ref(),
+        t.as_os_str(),
+    ]);
+    assert!(out.status.success());
+    assert_eq!(text(&out.stdout).matches(" window ").count(), 3);
+    let out = gmlake(&[
+        "replay".as_ref(),
+        "--windows".as_ref(),
+        "0".as_ref(),
+        t.as_os_str(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("--windows"),
+        "{}",
+        text(&out.stderr)
+    );
+}
