@@ -5,18 +5,24 @@ from __future__ import annotations
 from typing import Any, Dict
 
 
+def config(cls, attn: str, **kw):
+    """`cls(**kw)` (a transformers config) with attention implementation `attn` and no KV
+    cache, also on transformers versions whose configs do not take `attn_implementation`."""
+    try:
+        cfg = cls(attn_implementation=attn, **kw)
+    except TypeError:  # older transformers
+        cfg = cls(**kw)
+        cfg._attn_implementation = attn
+    cfg.use_cache = False
+    return cfg
+
+
 def llama_config(**kw):
     from transformers import LlamaConfig
 
     kw.setdefault("tie_word_embeddings", False)
     kw.setdefault("max_position_embeddings", 4096)
-    try:
-        cfg = LlamaConfig(attn_implementation="sdpa", **kw)
-    except TypeError:  # older transformers
-        cfg = LlamaConfig(**kw)
-        cfg._attn_implementation = "sdpa"
-    cfg.use_cache = False
-    return cfg
+    return config(LlamaConfig, "sdpa", **kw)
 
 
 def build_llama(cfg, dtype, device):

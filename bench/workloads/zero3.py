@@ -130,12 +130,7 @@ class Zero3:
         kw = dict(vocab_size=50272, max_position_embeddings=2048, dropout=0.0,
                   attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
                   word_embed_proj_dim=OPT_SIZES[args.model]["hidden_size"], **OPT_SIZES[args.model])
-        try:
-            cfg = OPTConfig(attn_implementation="eager", **kw)
-        except TypeError:  # older transformers
-            cfg = OPTConfig(**kw)
-            cfg._attn_implementation = "eager"
-        cfg.use_cache = False
+        cfg = models.config(OPTConfig, "eager", **kw)
         self.vocab = cfg.vocab_size
         zero = {
             "stage": 3,
