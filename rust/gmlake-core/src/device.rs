@@ -123,12 +123,7 @@ pub trait Device: Send + Sync {
     /// record), without waiting for other streams. The default polls [`Device::query_event`],
     /// sleeping a little longer each time (up to 1 ms).
     fn wait_event(&self, event: EventHandle) -> DeviceResult<()> {
-        let mut pause = std::time::Duration::from_micros(10);
-        while !self.query_event(event)? {
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(std::time::Duration::from_millis(1));
-        }
-        Ok(())
+        poll_event(self, event)
     }
 
     /// Allocates `size` bytes of pinned host memory (`cuMemHostAlloc`), which copies to and
@@ -167,6 +162,18 @@ pub trait Device: Send + Sync {
         let _ = (dst, src, len, stream);
         Err(DeviceError::Unsupported("copy_h2d_async"))
     }
+}
+
+/// Waits for `event` by polling [`Device::query_event`], sleeping a little longer each time
+/// (10 µs doubling up to 1 ms): the default [`Device::wait_event`], for devices with no
+/// blocking wait of their own.
+pub fn poll_event<D: Device + ?Sized>(dev: &D, event: EventHandle) -> DeviceResult<()> {
+    let mut pause = std::time::Duration::from_micros(10);
+    while !dev.query_event(event)? {
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(std::time::Duration::from_millis(1));
+    }
+    Ok(())
 }
 
 impl<D: Device + ?Sized> Device for std::sync::Arc<D> {

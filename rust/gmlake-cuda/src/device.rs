@@ -804,6 +804,25 @@ impl Device for CudaDevice {
         }
     }
 
+    /// `cuEventSynchronize` (blocking until the event's stream is past its record), rather
+    /// than the trait's default polling with sleeps: the allocator waits with its state lock
+    /// held, so each wait should end as soon as the work does. Without the optional entry
+    /// points (a driver or mock lacking them), the default.
+    fn wait_event(&self, event: EventHandle) -> DeviceResult<()> {
+        let Some(calls) = self.drv.host.as_ref() else {
+            return gmlake_core::device::poll_event(self, event);
+        };
+        let events = self.events.lock();
+        if !events.contains(&event.0) {
+            return invalid(format!("wait for unknown event {:#x}", event.0));
+        }
+        let _ctx = self.bind()?;
+        // SAFETY: the event is live (in the set, lock held across the call so it cannot be
+        // destroyed meanwhile).
+        let r = unsafe { (calls.event_synchronize)(event.0 as usize as cu::CUevent) };
+        self.drv.check("cuEventSynchronize", r)
+    }
+
     fn synchronize(&self) -> DeviceResult<()> {
         let _ctx = self.bind()?;
         // SAFETY: no arguments; waits for all work of the current context (this device's
