@@ -200,6 +200,16 @@ pub enum ReplayErrorKind {
     },
 }
 
+impl ReplayErrorKind {
+    fn allocator(action: Action, size: u64, error: CoreError) -> ReplayErrorKind {
+        ReplayErrorKind::Allocator {
+            action,
+            size,
+            error,
+        }
+    }
+}
+
 impl fmt::Display for ReplayError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.kind {
@@ -277,19 +287,22 @@ fn is_oom(e: &CoreError) -> bool {
 /// Frees our allocation behind a trace allocation that `action` ended, if we made one: OOM'd
 /// allocations have none and size-0 ones a null pointer, which is not freed.
 #[inline]
-fn release<B: Backend>(backend: &mut B, l: Live, action: Action) -> Result<(), ReplayErrorKind> {
+fn release<B: Backend>(
+    backend: &mut B,
+    waiters: &mut Waiters,
+    l: Live,
+    action: Action,
+) -> Result<(), ReplayErrorKind> {
     if let Some(w) = l.waiting {
+        // Freed at its request already: its wait ends now.
         backend.complete(w);
+        waiters.give_back(w);
         return Ok(());
     }
     match l.ptr {
         Some(ptr) if ptr != 0 => backend
             .free(ptr)
-            .map_err(|error| ReplayErrorKind::Allocator {
-                action,
-                size: l.size,
-                error,
-            }),
+            .map_err(|error| ReplayErrorKind::allocator(action, l.size, error)),
         _ => Ok(()),
     }
 }
@@ -344,10 +357,7 @@ pub fn replay<B: Backend>(
                     }
                     duplicate_allocs += 1;
                     active = active.saturating_sub(old.size);
-                    if let Some(w) = old.waiting {
-                        waiters.give_back(w);
-                    }
-                    if let Err(kind) = release(backend, old, free_action) {
+                    if let Err(kind) = release(backend, &mut waiters, old, free_action) {
                         return fail(i, kind);
                     }
                 }
@@ -359,27 +369,12 @@ pub fn replay<B: Backend>(
                         None
                     }
                     Err(error) => {
-                        let (action, size) = (Action::Alloc, e.size);
-                        return fail(
-                            i,
-                            ReplayErrorKind::Allocator {
-                                action,
-                                size,
-                                error,
-                            },
-                        );
+                        return fail(i, ReplayErrorKind::allocator(Action::Alloc, e.size, error))
                     }
                 };
                 reserved = backend.reserved_bytes();
-                let waiting = None;
-                live.insert(
-                    e.addr,
-                    Live {
-                        size: e.size,
-                        ptr,
-                        waiting,
-                    },
-                );
+                let (size, waiting) = (e.size, None);
+                live.insert(e.addr, Live { size, ptr, waiting });
                 active = active.saturating_add(e.size);
                 peak_active = peak_active.max(active);
             }
@@ -388,15 +383,9 @@ pub fn replay<B: Backend>(
                     if let (Some(ptr), None) = (l.ptr.filter(|&p| p != 0), l.waiting) {
                         let w = waiters.take();
                         if let Err(error) = backend.free_after(ptr, w) {
-                            let (action, size) = (Action::FreeRequested, l.size);
-                            return fail(
-                                i,
-                                ReplayErrorKind::Allocator {
-                                    action,
-                                    size,
-                                    error,
-                                },
-                            );
+                            let kind =
+                                ReplayErrorKind::allocator(Action::FreeRequested, l.size, error);
+                            return fail(i, kind);
                         }
                         l.waiting = Some(w);
                         deferred_frees += 1;
@@ -407,10 +396,7 @@ pub fn replay<B: Backend>(
             a if a == free_action => match live.remove(&e.addr) {
                 Some(l) => {
                     active = active.saturating_sub(l.size);
-                    if let Some(w) = l.waiting {
-                        waiters.give_back(w);
-                    }
-                    if let Err(kind) = release(backend, l, a) {
+                    if let Err(kind) = release(backend, &mut waiters, l, a) {
                         return fail(i, kind);
                     }
                     reserved = backend.reserved_bytes();

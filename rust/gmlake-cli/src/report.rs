@@ -82,6 +82,15 @@ fn ratio(a: u64, b: u64) -> Option<f64> {
     (b > 0).then(|| a as f64 / b as f64)
 }
 
+/// `calls` by kind, and their `total`, added to `map`.
+fn calls_map(calls: &DriverCalls, mut map: Map<String, Value>) -> Map<String, Value> {
+    for (k, v) in calls.as_pairs() {
+        map.insert(k.to_string(), v.into());
+    }
+    map.insert("total".into(), calls.total().into());
+    map
+}
+
 /// Per-window driver calls (deltas between the cumulative snapshots of a replay).
 fn window_rows(snapshots: &[(usize, DriverCalls)]) -> Option<Vec<Map<String, Value>>> {
     if snapshots.is_empty() {
@@ -90,15 +99,10 @@ fn window_rows(snapshots: &[(usize, DriverCalls)]) -> Option<Vec<Map<String, Val
     let mut rows = Vec::with_capacity(snapshots.len());
     let (mut first, mut before) = (0usize, DriverCalls::default());
     for (end, calls) in snapshots {
-        let d = crate::cost::difference(calls, &before);
-        let mut row: Map<String, Value> = Map::new();
-        row.insert("first_event".into(), first.into());
-        row.insert("events".into(), (end - first).into());
-        for (k, v) in d.as_pairs() {
-            row.insert(k.to_string(), v.into());
-        }
-        row.insert("total".into(), d.total().into());
-        rows.push(row);
+        let mut head = Map::new();
+        head.insert("first_event".into(), first.into());
+        head.insert("events".into(), (end - first).into());
+        rows.push(calls_map(&crate::cost::difference(calls, &before), head));
         (first, before) = (*end, *calls);
     }
     Some(rows)
@@ -169,16 +173,7 @@ impl Row {
             saved_fraction: saved.and_then(|s| (native > 0).then(|| s as f64 / native as f64)),
             stitches: ours.map(|o| o.stitches),
             pages_stitched: ours.map(|o| o.pages_stitched),
-            driver_calls: ours.map(|o| {
-                let mut calls: Map<String, Value> = o
-                    .driver_calls
-                    .as_pairs()
-                    .into_iter()
-                    .map(|(k, v)| (k.to_string(), v.into()))
-                    .collect();
-                calls.insert("total".into(), o.driver_calls.total().into());
-                calls
-            }),
+            driver_calls: ours.map(|o| calls_map(&o.driver_calls, Map::new())),
             driver_calls_per_1k_events: ours.and_then(|o| per_1k(o.driver_calls.total(), m.events)),
             driver_calls_per_1k_events_second_half: second
                 .as_ref()
