@@ -303,20 +303,12 @@ impl Imports {
                 }
             }
         }
-        match first_err {
-            None => Ok(()),
-            Some(e) => Err(e),
-        }
+        first_err.map_or(Ok(()), Err)
     }
 
     /// Closed ranges still mapped, waiting for their event.
     pub fn closing(&self) -> usize {
         self.closing.len()
-    }
-
-    /// Whether `addr` is a closed range still waiting for its event.
-    pub fn is_closing(&self, addr: DevicePtr) -> bool {
-        self.closing.iter().any(|c| c.addr == addr)
     }
 
     /// Waits for every closing range and releases it, releases every open range, and destroys

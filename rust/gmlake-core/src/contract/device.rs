@@ -6,6 +6,14 @@ use super::{census, ensure, refused, same_census, Case, CaseResult, Fail, Only, 
 use crate::device::{Device, DeviceError, EventHandle, HostPtr, PhysHandle};
 
 /// The driver rule cases, in order.
+/// Why a rule is checked on the models only: the real driver did not enforce it.
+macro_rules! accepted_by_the_driver {
+    () => {
+        "the real driver accepted it in the GPU run of 2026-11-25 (H100, driver 580.159.04, \
+         CUDA 13.0), so "
+    };
+}
+
 pub fn cases<T: Target>() -> Vec<Case<T>> {
     let c = |name, only, run| Case { name, only, run };
     vec![
@@ -62,7 +70,7 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
         c(
             "device/map_outside_a_reservation_is_refused",
             Only::Models(
-                "the real driver accepted it in the GPU run of 2026-11-25 (H100, driver 580.159.04, CUDA 13.0), so mapping past the end of a reservation is not refused there (the range after it may be reserved by another owner); never mapping outside its own reservations is the caller's rule",
+                concat!(accepted_by_the_driver!(), "mapping past the end of a reservation is not refused there (the range after it may be reserved by another owner); never mapping outside its own reservations is the caller's rule"),
             ),
             map_outside_a_reservation_is_refused::<T>,
         ),
@@ -81,7 +89,7 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
         c(
             "device/unmap_of_what_is_not_mapped_is_refused",
             Only::Models(
-                "the real driver accepted it in the GPU run of 2026-11-25 (H100, driver 580.159.04, CUDA 13.0), so unmapping a reserved page that holds no mapping is not refused there; unmapping only what it mapped is the caller's rule",
+                concat!(accepted_by_the_driver!(), "unmapping a reserved page that holds no mapping is not refused there; unmapping only what it mapped is the caller's rule"),
             ),
             unmap_of_what_is_not_mapped_is_refused::<T>,
         ),
@@ -116,7 +124,7 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
         c(
             "device/set_access_needs_a_fully_mapped_range",
             Only::Models(
-                "the real driver accepted it in the GPU run of 2026-11-25 (H100, driver 580.159.04, CUDA 13.0), so set_access over a range with a hole is not refused there; granting access only to fully mapped ranges is the caller's rule",
+                concat!(accepted_by_the_driver!(), "set_access over a range with a hole is not refused there; granting access only to fully mapped ranges is the caller's rule"),
             ),
             set_access_needs_a_fully_mapped_range::<T>,
         ),
