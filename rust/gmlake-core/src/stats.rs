@@ -104,6 +104,8 @@ pub struct DriverCalls {
     pub create_event: u64,
     pub record_event: u64,
     pub query_event: u64,
+    /// Blocking waits: a device synchronize, or a wait for one event (`Device::wait_event`,
+    /// `cuEventSynchronize`) before memory is released or moved.
     pub synchronize: u64,
 }
 
