@@ -6,7 +6,7 @@
 #   bash bench/deepspeed/run.sh .artifacts/gpu/libgmlake_torch.so
 #
 # Environment: NPROC (GPUs, default 1), MODEL (default opt-1.3b), BATCH (8), STEPS (6),
-# STRATEGIES ("N R LR RO LRO"), ALLOCATORS ("native expandable gmlake native2"; an entry
+# STRATEGIES ("N R LR RO LRO"; set but empty: none, e.g. for the batch search alone), ALLOCATORS ("native expandable gmlake native2"; an entry
 # gmlake+key:value,... runs gmlake with that GMLAKE_CONF, e.g. gmlake+page_size:8MiB),
 # SEARCH (1: search the largest LR batch; CAP_GIB, default 40), DS_WHEELS (a folder of wheels
 # to install DeepSpeed and its missing dependencies from, without network; default
@@ -26,7 +26,7 @@ NPROC=${NPROC:-1}
 MODEL=${MODEL:-opt-1.3b}
 BATCH=${BATCH:-8}
 STEPS=${STEPS:-6}
-STRATEGIES=${STRATEGIES:-"N R LR RO LRO"}
+STRATEGIES=${STRATEGIES-"N R LR RO LRO"}   # unset: all five; set empty: none
 ALLOCATORS=${ALLOCATORS:-"native expandable gmlake native2"}
 wheels=${DS_WHEELS:-.artifacts/ds}
 if ! python3 -c "import deepspeed" 2>/dev/null; then

@@ -166,9 +166,10 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub instant_frees: bool,
 
-    /// Also report the driver calls by kind in N windows of equal event counts (JSON:
-    /// `driver_calls_windows`; table: one line per window), to see which steps of a job
-    /// still call the driver.
+    /// Also report the driver calls by kind in N windows of equal event counts, with the
+    /// stitcher's decisions that made them (new stitches and the pages they moved, reuses of
+    /// kept ranges, aliases replaced or evicted) (JSON: `driver_calls_windows`; table: one
+    /// line per window), to see which steps of a job still call the driver, and why.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub windows: Option<u16>,
 }

@@ -25,6 +25,10 @@ pub trait Backend {
     fn driver_calls(&self) -> Option<DriverCalls> {
         None
     }
+    /// What the stitcher has done so far, for a backend that stitches.
+    fn stitch_counts(&self) -> Option<StitchCounts> {
+        None
+    }
     /// Frees `ptr` behind work on `waiter` that has not completed yet (its block may be
     /// reused only once [`Backend::complete`] says that work is done).
     fn free_after(&mut self, ptr: DevicePtr, _waiter: StreamId) -> Result<(), CoreError> {
@@ -32,6 +36,46 @@ pub trait Backend {
     }
     /// The work queued on `waiter` has completed.
     fn complete(&mut self, _waiter: StreamId) {}
+}
+
+/// The allocator's stitching counters (cumulative), read at the end of each `--windows`
+/// window: which decisions made a window's driver calls (new stitches map every page they
+/// move; reuses of kept ranges map only the aliases they replace).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StitchCounts {
+    pub stitches: u64,
+    pub pages_stitched: u64,
+    pub stitch_reuses: u64,
+    pub pages_reused: u64,
+    pub aliases_replaced: u64,
+    pub alias_evictions: u64,
+}
+
+impl StitchCounts {
+    /// (JSON key, value) of each counter, in a fixed order.
+    pub fn as_pairs(&self) -> [(&'static str, u64); 6] {
+        [
+            ("stitches", self.stitches),
+            ("pages_stitched", self.pages_stitched),
+            ("stitch_reuses", self.stitch_reuses),
+            ("pages_reused", self.pages_reused),
+            ("aliases_replaced", self.aliases_replaced),
+            ("alias_evictions", self.alias_evictions),
+        ]
+    }
+
+    /// `self - earlier`, counter by counter.
+    pub fn since(&self, earlier: &StitchCounts) -> StitchCounts {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        StitchCounts {
+            stitches: d(self.stitches, earlier.stitches),
+            pages_stitched: d(self.pages_stitched, earlier.pages_stitched),
+            stitch_reuses: d(self.stitch_reuses, earlier.stitch_reuses),
+            pages_reused: d(self.pages_reused, earlier.pages_reused),
+            aliases_replaced: d(self.aliases_replaced, earlier.aliases_replaced),
+            alias_evictions: d(self.alias_evictions, earlier.alias_evictions),
+        }
+    }
 }
 
 /// Streams the replay gives to frees that wait (`--deferred-frees`): far above any stream id
@@ -96,6 +140,17 @@ impl Backend for SimBackend {
     }
     fn driver_calls(&self) -> Option<DriverCalls> {
         Some(self.allocator.stats().driver_calls)
+    }
+    fn stitch_counts(&self) -> Option<StitchCounts> {
+        let s = self.allocator.stats();
+        Some(StitchCounts {
+            stitches: s.stitches,
+            pages_stitched: s.pages_stitched,
+            stitch_reuses: s.stitch_reuses,
+            pages_reused: s.pages_reused,
+            aliases_replaced: s.aliases_replaced,
+            alias_evictions: s.alias_evictions,
+        })
     }
     fn free_after(&mut self, ptr: DevicePtr, waiter: StreamId) -> Result<(), CoreError> {
         self.allocator.record_stream(ptr, waiter)?;
@@ -173,8 +228,9 @@ pub struct Measures {
     /// The backend's driver calls after the first half of the events (a steady-state figure
     /// is the total minus these).
     pub half_driver_calls: Option<DriverCalls>,
-    /// `--windows`: (events so far, driver calls so far) at the end of each window.
-    pub window_driver_calls: Vec<(usize, DriverCalls)>,
+    /// `--windows`: (events so far, driver calls so far, stitching counters so far) at the
+    /// end of each window.
+    pub window_driver_calls: Vec<(usize, DriverCalls, StitchCounts)>,
 }
 
 /// Why a replay stopped, at which event.
@@ -345,7 +401,7 @@ pub fn replay<B: Backend>(
         }
         if windows > 0 && i == next_window * events.len() / windows {
             if let Some(c) = backend.driver_calls() {
-                window_driver_calls.push((i, c));
+                window_driver_calls.push((i, c, backend.stitch_counts().unwrap_or_default()));
             }
             next_window += 1;
         }
@@ -418,7 +474,8 @@ pub fn replay<B: Backend>(
     }
     if windows > 0 {
         if let Some(c) = backend.driver_calls() {
-            window_driver_calls.push((events.len(), c));
+            let counts = backend.stitch_counts().unwrap_or_default();
+            window_driver_calls.push((events.len(), c, counts));
         }
     }
     let wall_seconds = wall_start.elapsed().as_secs_f64();

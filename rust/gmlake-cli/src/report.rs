@@ -1,7 +1,7 @@
 //! The results of replays: one [`Row`] per (trace, device), printed as a table for people or
 //! as one JSON object per line for programs.
 
-use crate::replay::{Measures, OursSummary};
+use crate::replay::{Measures, OursSummary, StitchCounts};
 use gmlake_core::DriverCalls;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -91,19 +91,26 @@ fn calls_map(calls: &DriverCalls, mut map: Map<String, Value>) -> Map<String, Va
     map
 }
 
-/// Per-window driver calls (deltas between the cumulative snapshots of a replay).
-fn window_rows(snapshots: &[(usize, DriverCalls)]) -> Option<Vec<Map<String, Value>>> {
+/// Per-window driver calls and stitching counters (deltas between the cumulative snapshots
+/// of a replay).
+fn window_rows(
+    snapshots: &[(usize, DriverCalls, StitchCounts)],
+) -> Option<Vec<Map<String, Value>>> {
     if snapshots.is_empty() {
         return None;
     }
     let mut rows = Vec::with_capacity(snapshots.len());
-    let (mut first, mut before) = (0usize, DriverCalls::default());
-    for (end, calls) in snapshots {
+    let (mut first, mut before, mut counts_before) =
+        (0usize, DriverCalls::default(), StitchCounts::default());
+    for (end, calls, counts) in snapshots {
         let mut head = Map::new();
         head.insert("first_event".into(), first.into());
         head.insert("events".into(), (end - first).into());
+        for (k, v) in counts.since(&counts_before).as_pairs() {
+            head.insert(k.into(), v.into());
+        }
         rows.push(calls_map(&crate::cost::difference(calls, &before), head));
-        (first, before) = (*end, *calls);
+        (first, before, counts_before) = (*end, *calls, *counts);
     }
     Some(rows)
 }
@@ -120,7 +127,8 @@ impl Row {
             .map(|(i, r)| {
                 format!(
                     "{} dev {} window {}/{} (events {}-{}): {} driver calls: map {}, unmap {}, \
-                     set_access {}, create {}, release {}, events {}",
+                     set_access {}, create {}, release {}, events {}; stitches {} ({} pages), \
+                     reuses {} ({} pages), aliases replaced {}, evicted {}",
                     self.trace,
                     self.device,
                     i + 1,
@@ -134,6 +142,12 @@ impl Row {
                     n(r, "create_physical"),
                     n(r, "release_physical"),
                     n(r, "create_event") + n(r, "record_event") + n(r, "query_event"),
+                    n(r, "stitches"),
+                    n(r, "pages_stitched"),
+                    n(r, "stitch_reuses"),
+                    n(r, "pages_reused"),
+                    n(r, "aliases_replaced"),
+                    n(r, "alias_evictions"),
                 )
             })
             .collect()

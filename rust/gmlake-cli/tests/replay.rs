@@ -669,6 +669,22 @@ fn windows_split_the_driver_calls_and_add_up() {
         let sum: u64 = w.iter().map(|x| x[kind].as_u64().unwrap()).sum();
         assert_eq!(sum, row["driver_calls"][kind].as_u64().unwrap(), "{kind}");
     }
+    // The stitcher's counters are split the same way: which decisions made the calls.
+    for counter in ["stitches", "pages_stitched"] {
+        let sum: u64 = w.iter().map(|x| x[counter].as_u64().unwrap()).sum();
+        assert_eq!(sum, row[counter].as_u64().unwrap(), "{counter}");
+    }
+    for counter in [
+        "stitch_reuses",
+        "pages_reused",
+        "aliases_replaced",
+        "alias_evictions",
+    ] {
+        assert!(
+            w.iter().all(|x| x[counter].is_u64()),
+            "{counter} in every window"
+        );
+    }
     assert!(
         w[0]["total"].as_u64().unwrap() > 0,
         "the first window creates memory"
@@ -682,6 +698,7 @@ fn windows_split_the_driver_calls_and_add_up() {
     ]);
     assert!(out.status.success());
     assert_eq!(text(&out.stdout).matches(" window ").count(), 3);
+    assert_eq!(text(&out.stdout).matches("; stitches ").count(), 3);
     let out = gmlake(&[
         "replay".as_ref(),
         "--windows".as_ref(),
