@@ -8,6 +8,9 @@
 # Environment: NPROC (GPUs, default 1), MODEL (default opt-1.3b), BATCH (8), STEPS (6),
 # STRATEGIES ("N R LR RO LRO"; set but empty: none, e.g. for the batch search alone), ALLOCATORS ("native expandable gmlake native2"; an entry
 # gmlake+key:value,... runs gmlake with that GMLAKE_CONF, e.g. gmlake+page_size:8MiB),
+# REPEAT (1: how many times each strategy runs the allocator list, in order, e.g. native
+# expandable gmlake native2 native expandable gmlake native2: the table gives each allocator's
+# median over its runs and their spread, so that the noise can be judged),
 # SEARCH (1: search the largest LR batch; CAP_GIB, default 40), DS_WHEELS (a folder of wheels
 # to install DeepSpeed and its missing dependencies from, without network; default
 # .artifacts/ds, made by bench/deepspeed/wheels.sh), TRACE_STRATEGIES (strategies whose native
@@ -28,6 +31,8 @@ BATCH=${BATCH:-8}
 STEPS=${STEPS:-6}
 STRATEGIES=${STRATEGIES-"N R LR RO LRO"}   # unset: all five; set empty: none
 ALLOCATORS=${ALLOCATORS:-"native expandable gmlake native2"}
+REPEAT=${REPEAT:-1}
+[[ "$REPEAT" =~ ^[1-9][0-9]*$ ]] || { echo "REPEAT must be a positive integer, got '$REPEAT'"; exit 2; }
 wheels=${DS_WHEELS:-.artifacts/ds}
 if ! python3 -c "import deepspeed" 2>/dev/null; then
   python3 -m pip install -q --no-index --find-links "$wheels" deepspeed >"$O/install.log" 2>&1 \
@@ -53,12 +58,15 @@ launch() { # allocator, then the workload's arguments
   env "${env_[@]}" timeout -k 10 "${RUN_TIMEOUT:-300}" "${pre[@]}" --allocator "$alloc" --label "$label" "$@"
 }
 for s in $STRATEGIES; do
-  for a in $ALLOCATORS; do
-    echo "== $s / $a"
-    trace=()
-    [ "$a" = native ] && [[ " ${TRACE_STRATEGIES:-} " == *" $s "* ]] && trace=(--record-trace "$O/zero3-$s-native.pickle.gz")
-    launch "$a" "${trace[@]}" --strategy "$s" --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --tag "zero3-$s" \
-      --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
+  for rep in $(seq 1 "$REPEAT"); do
+    for a in $ALLOCATORS; do
+      echo "== $s / $a (run $rep of $REPEAT)"
+      trace=()   # native's first run records the trace
+      [ "$a" = native ] && [ "$rep" = 1 ] && [[ " ${TRACE_STRATEGIES:-} " == *" $s "* ]] \
+        && trace=(--record-trace "$O/zero3-$s-native.pickle.gz")
+      launch "$a" "${trace[@]}" --strategy "$s" --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --tag "zero3-$s" \
+        --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
+    done
   done
 done
 if [ "${SEARCH:-1}" = 1 ]; then

@@ -1,42 +1,70 @@
 #!/usr/bin/env python3
 """The table of bench/deepspeed/run.sh's results: per strategy and allocator, peak active, peak
-reserved, utilization, median step (and its ratio to the faster of native and expandable), the
-losses (equal across allocators?), and the largest LR batch under the cap."""
+reserved, utilization, median step (and its ratio to the faster baseline), the losses (equal
+across allocators?), and the largest LR batch under the cap.
+
+With REPEAT > 1 (run.sh runs the allocator list that many times, interleaved) each row
+gathers an allocator's runs: the step is the median of the runs' medians, with the spread
+(fastest and slowest run) beside it, so that the noise between runs can be read next to the
+differences between allocators; the utilization is the lowest of the runs and the peaks the
+highest. The faster baseline is the fastest of native, native2 and expandable."""
 
 import json
+import statistics
 import sys
 from collections import OrderedDict
 
 GIB = 1 << 30
+BASELINES = ("native", "native2", "expandable")
+
+
+def losses_note(ref, mine):
+    if not ref or not mine:
+        return "-"
+    if ref == mine:
+        return "yes"
+    return f"no (max diff {max(abs(a - b) for a, b in zip(ref, mine)):.2e})"
 
 
 def main(path: str) -> int:
-    runs, search = OrderedDict(), {}
+    groups, search = OrderedDict(), {}
     for line in open(path):
         if not line.strip():
             continue
         r = json.loads(line)
         if r.get("kind") == "workload":
-            runs[(r.get("tag", ""), r["allocator"])] = r
+            groups.setdefault((r.get("tag", ""), r["allocator"]), []).append(r)
         elif r.get("kind") == "max_batch":
             search[r["allocator"]] = r
-    print("| strategy | allocator | peak active | peak reserved | utilization | median step | vs best of native/expandable | losses equal native's |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (tag, alloc), r in runs.items():
+
+    def step(runs):
+        steps = [r["median_step_s"] for r in runs if r.get("ok") and r.get("median_step_s")]
+        return (statistics.median(steps), min(steps), max(steps), len(steps)) if steps else None
+
+    print("| strategy | allocator | runs | peak active | peak reserved | utilization | median step (spread) "
+          "| vs faster baseline | losses equal native's |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (tag, alloc), runs in groups.items():
         strat = tag.replace("zero3-", "")
-        best = [runs[(tag, a)].get("median_step_s") for a in ("native", "expandable") if (tag, a) in runs]
-        best = min([b for b in best if b], default=None)
-        ref = runs.get((tag, "native"), {}).get("model", {}).get("losses")
-        mine = r.get("model", {}).get("losses")
-        same = "-" if not ref or not mine else ("yes" if ref == mine else
-                                               f"no (max diff {max(abs(a - b) for a, b in zip(ref, mine)):.2e})")
-        if not r.get("ok"):
-            print(f"| {strat} | {alloc} | {r.get('error', 'failed')[:60]} | | | | | |")
+        base = [step(groups[(tag, a)]) for a in BASELINES if (tag, a) in groups]
+        best = min((b[0] for b in base if b), default=None)
+        ref = next((r.get("model", {}).get("losses") for r in groups.get((tag, "native"), [])
+                    if r.get("ok")), None)
+        ok = [r for r in runs if r.get("ok")]
+        if not ok:
+            print(f"| {strat} | {alloc} | {len(runs)} | {runs[0].get('error', 'failed')[:60]} | | | | | |")
             continue
-        act, res = r.get("peak_active_bytes", 0), r.get("peak_reserved_bytes", 0)
-        m = r.get("median_step_s")
-        print(f"| {strat} | {alloc} | {act / GIB:.2f} GiB | {res / GIB:.2f} GiB | {act / res if res else 0:.3f} | "
-              f"{m * 1e3:.0f} ms | {m / best if best and m else 0:.3f} | {same} |")
+        notes = {losses_note(ref, r.get("model", {}).get("losses")) for r in ok}
+        same = "yes" if notes == {"yes"} else "; ".join(sorted(n for n in notes if n != "yes"))
+        act = max(r.get("peak_active_bytes", 0) for r in ok)
+        res = max(r.get("peak_reserved_bytes", 0) for r in ok)
+        util = min(r["peak_active_bytes"] / r["peak_reserved_bytes"] for r in ok
+                   if r.get("peak_reserved_bytes"))
+        m, lo, hi, n = step(ok)
+        spread = f" ({lo * 1e3:.0f}-{hi * 1e3:.0f})" if n > 1 else ""
+        failed = f" ({len(runs) - len(ok)} failed)" if len(ok) < len(runs) else ""
+        print(f"| {strat} | {alloc} | {len(runs)}{failed} | {act / GIB:.2f} GiB | {res / GIB:.2f} GiB | {util:.3f} | "
+              f"{m * 1e3:.0f} ms{spread} | {m / best if best else 0:.3f} | {same} |")
     if search:
         print()
         print("| allocator | largest LR batch under the cap |")

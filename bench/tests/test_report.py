@@ -249,3 +249,40 @@ def test_zero3_table(tmp_path):
     g = next(x for x in lines if x.startswith("| LR | gmlake"))
     assert "0.989" in g and "1.010" in g and "no (max diff 5.00e-01)" in g, g
     assert "| LR | expandable" in buf.getvalue() and "| gmlake | 24 |" in buf.getvalue()
+
+
+def test_zero3_table_gathers_repeated_runs(tmp_path):
+    """REPEAT > 1: one row per allocator with the median of its runs and their spread; the
+    faster baseline counts native2 too; the lowest utilization of the runs is shown."""
+    sys.path.insert(0, str(BENCH / "deepspeed"))
+    import table
+
+    def run(a, step, reserved_gib):
+        return {"kind": "workload", "tag": "zero3-R", "allocator": a, "ok": True, "median_step_s": step,
+                "peak_active_bytes": 9 * GiB, "peak_reserved_bytes": reserved_gib * GiB,
+                "model": {"losses": [1.0, 2.0]}}
+    recs = [run("native", 0.300, 12), run("gmlake", 0.110, 9.1), run("native2", 0.100, 12),
+            run("native", 0.120, 12), run("gmlake", 0.100, 9.5), run("native2", 0.200, 12),
+            run("gmlake", 0.500, 9.1)]
+    p = tmp_path / "r.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in recs))
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert table.main(str(p)) == 0
+    lines = buf.getvalue().splitlines()
+    assert len([x for x in lines if x.startswith("| R | ")]) == 3, lines
+    g = next(x for x in lines if x.startswith("| R | gmlake"))
+    # Median of 110, 100, 500 ms; the faster baseline is the median of native2 (150 ms) against
+    # native's (210 ms); the utilization is the worst run's (9 / 9.5).
+    assert "| 3 |" in g and "110 ms (100-500)" in g and "0.733" in g and "0.947" in g, g
+    n2 = next(x for x in lines if x.startswith("| R | native2"))
+    assert "150 ms (100-200)" in n2 and "| 1.000 |" in n2, n2
+
+
+def test_zero3_run_names_a_bad_repeat():
+    r = subprocess.run(["bash", str(BENCH / "deepspeed" / "run.sh"), "/nonexistent/libgmlake_torch.so"],
+                       env=dict(os.environ, REPEAT="0", OUT="/tmp/gmlake-zero3-test"), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "REPEAT must be a positive integer, got '0'" in r.stdout, r.stdout + r.stderr
