@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))
 import report  # noqa: E402
 
 GiB = 1 << 30
+MiB = 1 << 20
 WORKLOADS = ["llm_lora", "fsdp_offload", "moe", "conv", "kv_infer", "concat_cache", "stress", "zero3"]
 
 
@@ -286,3 +287,59 @@ def test_zero3_run_names_a_bad_repeat():
                        env=dict(os.environ, REPEAT="0", OUT="/tmp/gmlake-zero3-test"), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "REPEAT must be a positive integer, got '0'" in r.stdout, r.stdout + r.stderr
+
+
+def _gpu_check():
+    sys.path.insert(0, str(BENCH))
+    import gpu_check
+    return gpu_check
+
+
+def test_gpu_check_sets_the_replay_against_the_gpu(tmp_path, capsys):
+    """bench/gpu_check.py with a stand-in gmlake: errors computed against the GPU's figures,
+    exit 1 past the tolerance, 2 on bad input (named)."""
+    gc = _gpu_check()
+    fake = tmp_path / "gmlake"
+    row = {"events": 10, "peak_reserved_bytes": 103 * MiB, "utilization": 0.95,
+           "native_peak_reserved_bytes": 150 * MiB, "driver_calls": {"total": 90}}
+    fake.write_text("#!/bin/sh\necho '" + json.dumps(row) + "'\n")
+    fake.chmod(0o755)
+    trace = tmp_path / "job.pickle.gz"
+    trace.write_bytes(b"")
+    gpu = {"runs": {"gmlake": {"peak_reserved_bytes": 100 * MiB, "utilization": 0.98,
+                               "driver_calls": {"total": 100}},
+                    "native": {"peak_reserved_bytes": 150 * MiB}}}
+    (tmp_path / "job.gpu.json").write_text(json.dumps(gpu))
+    assert gc.main([str(trace), "--gmlake", str(fake), "--tolerance", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "(+3.0%)" in out and "0.980 / 0.950" in out and "100 / 90 (-10.0%)" in out, out
+    assert gc.main([str(trace), "--gmlake", str(fake)]) == 1   # 3% > the default 2%
+    assert "off by more than 2.0%" in capsys.readouterr().err
+    # A results .jsonl from bench/workloads works as the GPU side too.
+    res = tmp_path / "runs.jsonl"
+    res.write_text("\n".join(json.dumps(dict(r, allocator=a, kind="workload", ok=True))
+                             for a, r in gpu["runs"].items()))
+    assert gc.main([f"{trace}={res}", "--gmlake", str(fake), "--tolerance", "0.05"]) == 0
+    capsys.readouterr()
+    # Bad input: no gmlake run, unreadable figures, a bad tolerance.
+    (tmp_path / "nog.gpu.json").write_text(json.dumps({"runs": {"native": {}}}))
+    (tmp_path / "nog.pickle").write_bytes(b"")
+    assert gc.main([str(tmp_path / "nog.pickle"), "--gmlake", str(fake)]) == 2
+    assert "no gmlake run (allocators there: native)" in capsys.readouterr().err
+    assert gc.main([f"{trace}={tmp_path / 'missing.gpu.json'}", "--gmlake", str(fake)]) == 2
+    assert "cannot read the GPU figures" in capsys.readouterr().err
+    assert gc.main([str(trace), "--gmlake", str(fake), "--tolerance", "2"]) == 2
+
+
+def test_gpu_check_on_the_bundled_fsdp_trace(capsys):
+    """The real replay of tests/traces/fsdp-offload.pickle.gz predicts the H100's peak reserved
+    within 2% (the binary is built by cargo test before these tests run)."""
+    gc = _gpu_check()
+    try:
+        gc.find_gmlake(None)
+    except gc.BadInput as e:
+        pytest.skip(str(e))
+    trace = BENCH.parent / "tests" / "traces" / "fsdp-offload.pickle.gz"
+    assert gc.main([str(trace), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert r["within_tolerance"] and abs(r["reserved_diff"]) <= 0.02, r
