@@ -13,8 +13,9 @@ tolerance (2%: issue 13's bar) for any workload, 2 on bad input.
 
 Each argument is TRACE[=GPU]. GPU is a `.gpu.json` (tests/traces' format: {"runs": {allocator:
 record}}) or a results `.jsonl` written by bench/workloads (one record per run, by "allocator";
-the last run of each allocator counts); without it, TRACE's name with `.gpu.json` in place of
-`.pickle[.gz]` is used. `--set key=value` passes allocator settings to the replay (the GPU run
+the last run of each allocator counts; `runs.jsonl#TAG` keeps the records of that tag, e.g.
+`$OUT/zero3/results.jsonl#zero3-LR` for one strategy of bench/deepspeed/run.sh); without it,
+TRACE's name with `.gpu.json` in place of `.pickle[.gz]` is used. `--set key=value` passes allocator settings to the replay (the GPU run
 must have used the same).
 """
 
@@ -44,8 +45,8 @@ def default_gpu_path(trace: Path) -> Path:
     raise BadInput(f"{trace}: not a .pickle or .pickle.gz trace; name its GPU figures as TRACE=GPU")
 
 
-def load_gpu(path: Path) -> Dict[str, dict]:
-    """GPU records by allocator."""
+def load_gpu(path: Path, tag: str = "") -> Dict[str, dict]:
+    """GPU records by allocator (of `tag` only, when given)."""
     try:
         text = path.read_text()
     except OSError as e:
@@ -59,8 +60,12 @@ def load_gpu(path: Path) -> Dict[str, dict]:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise BadInput(f"{path}:{n}: not JSON ({e.msg})") from None
+            if tag and r.get("tag") != tag:
+                continue
             if r.get("kind", "workload") == "workload" and r.get("ok", True) and "allocator" in r:
                 runs[r.get("label") or r["allocator"]] = r
+        if tag and not runs:
+            raise BadInput(f"{path}: no successful run tagged {tag!r}")
         return runs
     try:
         d = json.loads(text)
@@ -99,8 +104,12 @@ def rel(pred: Optional[float], gpu: Optional[float]) -> Optional[float]:
     return (pred - gpu) / gpu
 
 
-def check(trace: Path, gpu_path: Path, gmlake: str, settings: List[str]) -> dict:
-    runs = load_gpu(gpu_path)
+def check(trace: Path, gpu: str, gmlake: str, settings: List[str]) -> dict:
+    path, _, tag = gpu.partition("#")
+    gpu_path = Path(path)
+    if tag and gpu_path.suffix != ".jsonl":
+        raise BadInput(f"{gpu}: #TAG applies to a results .jsonl only")
+    runs = load_gpu(gpu_path, tag)
     g = runs.get("gmlake")
     if g is None:
         raise BadInput(f"{gpu_path}: no gmlake run (allocators there: {', '.join(runs) or 'none'})")
@@ -162,7 +171,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for p in a.pairs:
             t, _, g = p.partition("=")
             trace = Path(t)
-            results.append(check(trace, Path(g) if g else default_gpu_path(trace), gmlake, a.settings))
+            results.append(check(trace, g or str(default_gpu_path(trace)), gmlake, a.settings))
     except BadInput as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2

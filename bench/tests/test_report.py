@@ -321,6 +321,18 @@ def test_gpu_check_sets_the_replay_against_the_gpu(tmp_path, capsys):
                              for a, r in gpu["runs"].items()))
     assert gc.main([f"{trace}={res}", "--gmlake", str(fake), "--tolerance", "0.05"]) == 0
     capsys.readouterr()
+    # ...and `#TAG` picks one job of a file holding several (run.sh's strategies).
+    other = dict(gpu["runs"]["gmlake"], peak_reserved_bytes=50 * MiB)
+    res.write_text("\n".join([json.dumps(dict(r, allocator=a, kind="workload", ok=True, tag="zero3-LR"))
+                              for a, r in gpu["runs"].items()]
+                             + [json.dumps(dict(other, allocator="gmlake", kind="workload", ok=True,
+                                                tag="zero3-N"))]))
+    assert gc.main([f"{trace}={res}#zero3-LR", "--gmlake", str(fake), "--tolerance", "0.05"]) == 0
+    assert "(+3.0%)" in capsys.readouterr().out
+    assert gc.main([f"{trace}={res}#zero3-N", "--gmlake", str(fake), "--tolerance", "0.05"]) == 1
+    capsys.readouterr()
+    assert gc.main([f"{trace}={res}#zero3-R", "--gmlake", str(fake)]) == 2
+    assert "no successful run tagged 'zero3-R'" in capsys.readouterr().err
     # Bad input: no gmlake run, unreadable figures, a bad tolerance.
     (tmp_path / "nog.gpu.json").write_text(json.dumps({"runs": {"native": {}}}))
     (tmp_path / "nog.pickle").write_bytes(b"")
