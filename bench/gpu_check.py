@@ -113,6 +113,8 @@ def check(trace: Path, gpu: str, gmlake: str, settings: List[str]) -> dict:
     g = runs.get("gmlake")
     if g is None:
         raise BadInput(f"{gpu_path}: no gmlake run (allocators there: {', '.join(runs) or 'none'})")
+    if not g.get("peak_reserved_bytes"):
+        raise BadInput(f"{gpu_path}: the gmlake run has no peak_reserved_bytes")
     row = replay(gmlake, trace, settings)
     n = runs.get("native", {})
     gpu_calls = g.get("driver_calls")

@@ -336,6 +336,10 @@ def test_gpu_check_sets_the_replay_against_the_gpu(tmp_path, capsys):
     assert gc.main([f"{trace}={tmp_path / 'missing.gpu.json'}", "--gmlake", str(fake)]) == 2
     assert "cannot read the GPU figures" in capsys.readouterr().err
     assert gc.main([str(trace), "--gmlake", str(fake), "--tolerance", "2"]) == 2
+    (tmp_path / "nores.gpu.json").write_text(json.dumps({"runs": {"gmlake": {"utilization": 0.9}}}))
+    (tmp_path / "nores.pickle").write_bytes(b"")
+    assert gc.main([str(tmp_path / "nores.pickle"), "--gmlake", str(fake)]) == 2
+    assert "the gmlake run has no peak_reserved_bytes" in capsys.readouterr().err
 
 
 def test_gpu_check_on_the_bundled_fsdp_trace(capsys):
