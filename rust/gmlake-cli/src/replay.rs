@@ -38,45 +38,23 @@ pub trait Backend {
     fn complete(&mut self, _waiter: StreamId) {}
 }
 
-/// The allocator's stitching counters (cumulative), read at the end of each `--windows`
-/// window: which decisions made a window's driver calls (new stitches map every page they
-/// move; reuses of kept ranges map only the aliases they replace).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StitchCounts {
-    pub stitches: u64,
-    pub pages_stitched: u64,
-    pub stitch_reuses: u64,
-    pub pages_reused: u64,
-    pub aliases_replaced: u64,
-    pub alias_evictions: u64,
-}
+/// The stitcher's counters (accumulated counters of gmlake's statistics) that `--windows`
+/// splits per window: which decisions made a window's driver calls (new stitches map every
+/// page they move; reuses of kept ranges map only the aliases they replace).
+pub const WINDOW_COUNTERS: [&str; 6] = [
+    "stitches",
+    "pages_stitched",
+    "stitch_reuses",
+    "pages_reused",
+    "aliases_replaced",
+    "alias_evictions",
+];
 
-impl StitchCounts {
-    /// (JSON key, value) of each counter, in a fixed order.
-    pub fn as_pairs(&self) -> [(&'static str, u64); 6] {
-        [
-            ("stitches", self.stitches),
-            ("pages_stitched", self.pages_stitched),
-            ("stitch_reuses", self.stitch_reuses),
-            ("pages_reused", self.pages_reused),
-            ("aliases_replaced", self.aliases_replaced),
-            ("alias_evictions", self.alias_evictions),
-        ]
-    }
+/// The values of [`WINDOW_COUNTERS`], in that order (cumulative).
+pub type StitchCounts = [u64; WINDOW_COUNTERS.len()];
 
-    /// `self - earlier`, counter by counter.
-    pub fn since(&self, earlier: &StitchCounts) -> StitchCounts {
-        let d = |a: u64, b: u64| a.saturating_sub(b);
-        StitchCounts {
-            stitches: d(self.stitches, earlier.stitches),
-            pages_stitched: d(self.pages_stitched, earlier.pages_stitched),
-            stitch_reuses: d(self.stitch_reuses, earlier.stitch_reuses),
-            pages_reused: d(self.pages_reused, earlier.pages_reused),
-            aliases_replaced: d(self.aliases_replaced, earlier.aliases_replaced),
-            alias_evictions: d(self.alias_evictions, earlier.alias_evictions),
-        }
-    }
-}
+/// (events so far, driver calls so far, stitch counters so far) at the end of a window.
+pub type WindowSnapshot = (usize, DriverCalls, StitchCounts);
 
 /// Streams the replay gives to frees that wait (`--deferred-frees`): far above any stream id
 /// of a trace (those are CUDA stream pointers).
@@ -142,15 +120,9 @@ impl Backend for SimBackend {
         Some(self.allocator.stats().driver_calls)
     }
     fn stitch_counts(&self) -> Option<StitchCounts> {
-        let s = self.allocator.stats();
-        Some(StitchCounts {
-            stitches: s.stitches,
-            pages_stitched: s.pages_stitched,
-            stitch_reuses: s.stitch_reuses,
-            pages_reused: s.pages_reused,
-            aliases_replaced: s.aliases_replaced,
-            alias_evictions: s.alias_evictions,
-        })
+        let counters = self.allocator.stats().counters();
+        let value = |name| counters.iter().find(|c| c.0 == name).map_or(0, |c| c.1);
+        Some(WINDOW_COUNTERS.map(value))
     }
     fn free_after(&mut self, ptr: DevicePtr, waiter: StreamId) -> Result<(), CoreError> {
         self.allocator.record_stream(ptr, waiter)?;
@@ -228,9 +200,8 @@ pub struct Measures {
     /// The backend's driver calls after the first half of the events (a steady-state figure
     /// is the total minus these).
     pub half_driver_calls: Option<DriverCalls>,
-    /// `--windows`: (events so far, driver calls so far, stitching counters so far) at the
-    /// end of each window.
-    pub window_driver_calls: Vec<(usize, DriverCalls, StitchCounts)>,
+    /// `--windows`: the backend's counters at the end of each window.
+    pub windows: Vec<WindowSnapshot>,
 }
 
 /// Why a replay stopped, at which event.
@@ -390,8 +361,12 @@ pub fn replay<B: Backend>(
     let mut waiters = Waiters::default();
     let mut deferred_frees = 0u64;
     let windows = options.windows.min(events.len());
-    let mut window_driver_calls = Vec::with_capacity(windows);
+    let mut window_snapshots = Vec::with_capacity(windows);
     let mut next_window = 1usize;
+    let snapshot = |b: &B, events_so_far: usize| -> Option<WindowSnapshot> {
+        let counts = b.stitch_counts().unwrap_or_default();
+        b.driver_calls().map(|calls| (events_so_far, calls, counts))
+    };
 
     let cpu_start = thread_cpu_time();
     let wall_start = Instant::now();
@@ -400,9 +375,7 @@ pub fn replay<B: Backend>(
             half_driver_calls = backend.driver_calls();
         }
         if windows > 0 && i == next_window * events.len() / windows {
-            if let Some(c) = backend.driver_calls() {
-                window_driver_calls.push((i, c, backend.stitch_counts().unwrap_or_default()));
-            }
+            window_snapshots.extend(snapshot(backend, i));
             next_window += 1;
         }
         match e.action {
@@ -473,10 +446,7 @@ pub fn replay<B: Backend>(
         }
     }
     if windows > 0 {
-        if let Some(c) = backend.driver_calls() {
-            let counts = backend.stitch_counts().unwrap_or_default();
-            window_driver_calls.push((events.len(), c, counts));
-        }
+        window_snapshots.extend(snapshot(backend, events.len()));
     }
     let wall_seconds = wall_start.elapsed().as_secs_f64();
     let cpu_seconds = match (cpu_start, thread_cpu_time()) {
@@ -502,7 +472,7 @@ pub fn replay<B: Backend>(
         cpu_seconds,
         series,
         half_driver_calls,
-        window_driver_calls,
+        windows: window_snapshots,
     })
 }
 
@@ -570,6 +540,23 @@ mod tests {
             ..Exact::default()
         };
         replay(t, &mut b, &opts(strict), &mut |_| {})
+    }
+
+    /// Every counter `--windows` reports is one of the statistics' counters (a name that is
+    /// not would read 0 in every window).
+    #[test]
+    fn window_counters_are_statistics_counters() {
+        let names: Vec<&str> = gmlake_core::DeviceStats::default()
+            .counters()
+            .iter()
+            .map(|c| c.0)
+            .collect();
+        for name in WINDOW_COUNTERS {
+            assert!(
+                names.contains(&name),
+                "{name} is not a counter of DeviceStats"
+            );
+        }
     }
 
     /// A free the trace shows waiting (its completion not right after its request) is made at

@@ -1,7 +1,7 @@
 //! The results of replays: one [`Row`] per (trace, device), printed as a table for people or
 //! as one JSON object per line for programs.
 
-use crate::replay::{Measures, OursSummary, StitchCounts};
+use crate::replay::{Measures, OursSummary, WindowSnapshot, WINDOW_COUNTERS};
 use gmlake_core::DriverCalls;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -35,8 +35,8 @@ pub struct Row {
     pub driver_calls_per_1k_events_second_half: Option<f64>,
     /// Driver calls made in the second half of the trace.
     pub driver_calls_second_half: Option<u64>,
-    /// `--windows N`: each window's events (`first_event`, `events`) and driver calls by kind
-    /// with their `total`.
+    /// `--windows N`: each window's events (`first_event`, `events`), driver calls by kind
+    /// with their `total`, and the stitcher's counters (`replay::WINDOW_COUNTERS`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub driver_calls_windows: Option<Vec<Map<String, Value>>>,
     /// Estimated host time of the driver calls (ms), from per-call costs measured on an H100
@@ -93,24 +93,21 @@ fn calls_map(calls: &DriverCalls, mut map: Map<String, Value>) -> Map<String, Va
 
 /// Per-window driver calls and stitching counters (deltas between the cumulative snapshots
 /// of a replay).
-fn window_rows(
-    snapshots: &[(usize, DriverCalls, StitchCounts)],
-) -> Option<Vec<Map<String, Value>>> {
+fn window_rows(snapshots: &[WindowSnapshot]) -> Option<Vec<Map<String, Value>>> {
     if snapshots.is_empty() {
         return None;
     }
     let mut rows = Vec::with_capacity(snapshots.len());
-    let (mut first, mut before, mut counts_before) =
-        (0usize, DriverCalls::default(), StitchCounts::default());
-    for (end, calls, counts) in snapshots {
+    let mut before: WindowSnapshot = Default::default();
+    for now @ (end, calls, counts) in snapshots {
         let mut head = Map::new();
-        head.insert("first_event".into(), first.into());
-        head.insert("events".into(), (end - first).into());
-        for (k, v) in counts.since(&counts_before).as_pairs() {
-            head.insert(k.into(), v.into());
+        head.insert("first_event".into(), before.0.into());
+        head.insert("events".into(), (end - before.0).into());
+        for ((k, v), was) in WINDOW_COUNTERS.iter().zip(counts).zip(before.2) {
+            head.insert(k.to_string(), v.saturating_sub(was).into());
         }
-        rows.push(calls_map(&crate::cost::difference(calls, &before), head));
-        (first, before, counts_before) = (*end, *calls, *counts);
+        rows.push(calls_map(&crate::cost::difference(calls, &before.1), head));
+        before = *now;
     }
     Some(rows)
 }
@@ -193,7 +190,7 @@ impl Row {
                 .as_ref()
                 .and_then(|c| per_1k(c.total(), second_events)),
             driver_calls_second_half: second.as_ref().map(|c| c.total()),
-            driver_calls_windows: window_rows(&m.window_driver_calls),
+            driver_calls_windows: window_rows(&m.windows),
             driver_ms_idle: est.map(|e| e.0),
             driver_ms_busy: est.map(|e| e.1),
             driver_ms_idle_second_half: est2.map(|e| e.0),
@@ -433,7 +430,7 @@ mod tests {
             cpu_seconds: Some(0.001),
             series: Series::default(),
             half_driver_calls: None,
-            window_driver_calls: Vec::new(),
+            windows: Vec::new(),
         }
     }
 
