@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
-GIB = 1 << 30
+sys.path.insert(0, str(ROOT / "bench"))
+import report  # noqa: E402  (the bench's loader and number formats)
 
 
 class BadInput(Exception):
@@ -47,28 +48,17 @@ def default_gpu_path(trace: Path) -> Path:
 
 def load_gpu(path: Path, tag: str = "") -> Dict[str, dict]:
     """GPU records by allocator (of `tag` only, when given)."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise BadInput(f"{path}: cannot read the GPU figures ({e.strerror})") from None
+    if not path.is_file():
+        raise BadInput(f"{path}: cannot read the GPU figures (no such file)")
     if path.suffix == ".jsonl":
-        runs: Dict[str, dict] = {}
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BadInput(f"{path}:{n}: not JSON ({e.msg})") from None
-            if tag and r.get("tag") != tag:
-                continue
-            if r.get("kind", "workload") == "workload" and r.get("ok", True) and "allocator" in r:
-                runs[r.get("label") or r["allocator"]] = r
+        runs = {r.get("label") or r["allocator"]: r for r in report.load([str(path)])
+                if r.get("kind", "workload") == "workload" and r.get("ok", True) and "allocator" in r
+                and (not tag or r.get("tag") == tag)}
         if tag and not runs:
             raise BadInput(f"{path}: no successful run tagged {tag!r}")
         return runs
     try:
-        d = json.loads(text)
+        d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise BadInput(f"{path}: not JSON ({e.msg})") from None
     if not isinstance(d, dict) or not isinstance(d.get("runs"), dict):
@@ -139,20 +129,17 @@ def check(trace: Path, gpu: str, gmlake: str, settings: List[str]) -> dict:
     }
 
 
-def fmt_gib(b: Optional[float]) -> str:
-    return "-" if b is None else f"{b / GIB:.2f} GiB"
+def pair(gpu, predicted, fmt) -> str:
+    """"GPU / prediction", in report.py's number formats ("—" where there is none)."""
+    return f"{fmt(gpu)} / {fmt(predicted)}"
 
 
-def fmt_pct(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x * 100:+.1f}%"
+def error(x: Optional[float]) -> str:
+    return f"({report.fnum(x, '{:+.1%}')})"
 
 
-def fmt_util(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.3f}"
-
-
-def fmt_int(x: Optional[float]) -> str:
-    return "-" if x is None else f"{int(x):,}"
+def count(x: Optional[int]) -> str:
+    return report.fnum(x, "{:,}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -177,20 +164,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BadInput as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
-    off = [r for r in results if r["reserved_diff"] is None or abs(r["reserved_diff"]) > a.tolerance]
+    off = [r for r in results if abs(r["reserved_diff"]) > a.tolerance]
     if a.json:
         for r in results:
             print(json.dumps(dict(r, within_tolerance=r not in off)))
     else:
-        print("| workload | gmlake reserved: GPU / replay (error) | utilization: GPU / replay "
-              "| native reserved: GPU / trace (error) | gmlake driver calls: GPU / replay (error) |")
-        print("|---|---|---|---|---|")
-        for r in results:
-            print(f"| {r['workload']} | {fmt_gib(r['gpu_reserved'])} / {fmt_gib(r['replay_reserved'])} "
-                  f"({fmt_pct(r['reserved_diff'])}) | {fmt_util(r['gpu_util'])} / {fmt_util(r['replay_util'])} "
-                  f"| {fmt_gib(r['gpu_native_reserved'])} / {fmt_gib(r['trace_native_reserved'])} "
-                  f"({fmt_pct(r['native_diff'])}) | {fmt_int(r['gpu_calls'])} / {fmt_int(r['replay_calls'])} "
-                  f"({fmt_pct(r['calls_diff'])}) |")
+        rows = [[r["workload"],
+                 f"{pair(r['gpu_reserved'], r['replay_reserved'], report.gib)} {error(r['reserved_diff'])}",
+                 pair(r["gpu_util"], r["replay_util"], report.fnum),
+                 f"{pair(r['gpu_native_reserved'], r['trace_native_reserved'], report.gib)} "
+                 f"{error(r['native_diff'])}",
+                 f"{pair(r['gpu_calls'], r['replay_calls'], count)} {error(r['calls_diff'])}"]
+                for r in results]
+        print("\n".join(report.table(
+            ["workload", "gmlake reserved: GPU / replay (error)", "utilization: GPU / replay",
+             "native reserved: GPU / trace (error)", "gmlake driver calls: GPU / replay (error)"], rows)))
         for r in off:
             print(f"\n{r['workload']}: the predicted peak reserved is off by more than "
                   f"{a.tolerance * 100:.1f}%", file=sys.stderr)

@@ -9,12 +9,14 @@ gathers an allocator's runs: the step is the median of the runs' medians, with t
 differences between allocators; the utilization is the lowest of the runs and the peaks the
 highest. The faster baseline is the fastest of native, native2 and expandable."""
 
-import json
+import os
 import statistics
 import sys
 from collections import OrderedDict
 
-GIB = 1 << 30
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import report  # noqa: E402  (the bench's loader and formats)
+
 BASELINES = ("native", "native2", "expandable")
 
 
@@ -26,24 +28,21 @@ def losses_note(ref, mine):
     return f"no (max diff {max(abs(a - b) for a, b in zip(ref, mine)):.2e})"
 
 
+def step(runs):
+    """(median of the runs' median steps, fastest, slowest, runs) over the runs that ran."""
+    steps = [r["median_step_s"] for r in runs if r.get("ok") and r.get("median_step_s")]
+    return (statistics.median(steps), min(steps), max(steps), len(steps)) if steps else None
+
+
 def main(path: str) -> int:
     groups, search = OrderedDict(), {}
-    for line in open(path):
-        if not line.strip():
-            continue
-        r = json.loads(line)
+    for r in report.load([path]):
         if r.get("kind") == "workload":
             groups.setdefault((r.get("tag", ""), r["allocator"]), []).append(r)
         elif r.get("kind") == "max_batch":
             search[r["allocator"]] = r
 
-    def step(runs):
-        steps = [r["median_step_s"] for r in runs if r.get("ok") and r.get("median_step_s")]
-        return (statistics.median(steps), min(steps), max(steps), len(steps)) if steps else None
-
-    print("| strategy | allocator | runs | peak active | peak reserved | utilization | median step (spread) "
-          "| vs faster baseline | losses equal native's |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for (tag, alloc), runs in groups.items():
         strat = tag.replace("zero3-", "")
         base = [step(groups[(tag, a)]) for a in BASELINES if (tag, a) in groups]
@@ -51,27 +50,32 @@ def main(path: str) -> int:
         ref = next((r.get("model", {}).get("losses") for r in groups.get((tag, "native"), [])
                     if r.get("ok")), None)
         ok = [r for r in runs if r.get("ok")]
-        if not ok:
-            print(f"| {strat} | {alloc} | {len(runs)} | {runs[0].get('error', 'failed')[:60]} | | | | | |")
+        timed = step(ok)
+        if timed is None:
+            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 5)
             continue
         notes = {losses_note(ref, r.get("model", {}).get("losses")) for r in ok}
         same = "yes" if notes == {"yes"} else "; ".join(sorted(n for n in notes if n != "yes"))
-        act = max(r.get("peak_active_bytes", 0) for r in ok)
-        res = max(r.get("peak_reserved_bytes", 0) for r in ok)
-        util = min(r["peak_active_bytes"] / r["peak_reserved_bytes"] for r in ok
-                   if r.get("peak_reserved_bytes"))
-        m, lo, hi, n = step(ok)
+        util = min((r["peak_active_bytes"] / r["peak_reserved_bytes"] for r in ok
+                    if r.get("peak_reserved_bytes")), default=None)
+        m, lo, hi, n = timed
         spread = f" ({lo * 1e3:.0f}-{hi * 1e3:.0f})" if n > 1 else ""
         failed = f" ({len(runs) - len(ok)} failed)" if len(ok) < len(runs) else ""
-        print(f"| {strat} | {alloc} | {len(runs)}{failed} | {act / GIB:.2f} GiB | {res / GIB:.2f} GiB | {util:.3f} | "
-              f"{m * 1e3:.0f} ms{spread} | {m / best if best else 0:.3f} | {same} |")
+        rows.append([strat, alloc, f"{len(runs)}{failed}",
+                     report.gib(max(r.get("peak_active_bytes", 0) for r in ok)),
+                     report.gib(max(r.get("peak_reserved_bytes", 0) for r in ok)),
+                     report.fnum(util), f"{m * 1e3:.0f} ms{spread}",
+                     report.fnum(m / best if best else None), same])
+    print("\n".join(report.table(
+        ["strategy", "allocator", "runs", "peak active", "peak reserved", "utilization",
+         "median step (spread)", "vs faster baseline", "losses equal native's"], rows)))
     if search:
         print()
-        print("| allocator | largest LR batch under the cap |")
-        print("|---|---|")
-        for a, r in search.items():
-            note = "" if r.get("search_complete") else f" (>=; stopped: {r.get('stopped')})"
-            print(f"| {a} | {r.get('max_batch', '?')}{note} |")
+        print("\n".join(report.table(
+            ["allocator", "largest LR batch under the cap"],
+            [[a, f"{r.get('max_batch', '?')}"
+                 + ("" if r.get("search_complete") else f" (>=; stopped: {r.get('stopped')})")]
+             for a, r in search.items()])))
     return 0
 
 
