@@ -277,9 +277,9 @@ def test_zero3_table_gathers_repeated_runs(tmp_path):
     assert "150 ms (100-200)" in n2 and "| 1.000 |" in n2, n2
 
 
-def test_zero3_run_names_a_bad_repeat():
+def test_zero3_run_names_a_bad_repeat(tmp_path):
     r = subprocess.run(["bash", str(BENCH / "deepspeed" / "run.sh"), "/nonexistent/libgmlake_torch.so"],
-                       env=dict(os.environ, REPEAT="0", OUT="/tmp/gmlake-zero3-test"), capture_output=True,
+                       env=dict(os.environ, REPEAT="0", OUT=str(tmp_path)), capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "REPEAT must be a positive integer, got '0'" in r.stdout, r.stdout + r.stderr
 
