@@ -64,16 +64,20 @@ for s in $STRATEGIES; do
       trace=()   # native's first run records the trace
       [ "$a" = native ] && [ "$rep" = 1 ] && [[ " ${TRACE_STRATEGIES:-} " == *" $s "* ]] \
         && trace=(--record-trace "$O/zero3-$s-native.pickle.gz")
+      t0=$SECONDS
       launch "$a" "${trace[@]}" --strategy "$s" --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --tag "zero3-$s" \
         --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
+      echo "   took $((SECONDS - t0)) s"
     done
   done
 done
 if [ "${SEARCH:-1}" = 1 ]; then
   for a in native expandable gmlake; do
     echo "== largest LR batch under ${CAP_GIB:-40} GiB / $a"
+    t0=$SECONDS
     launch "$a" --strategy LR --model "$MODEL" --batch "$BATCH" --no-run --search --cap-gib "${CAP_GIB:-40}" \
       --search-time "${SEARCH_TIME:-150}" --tag zero3-LR-search --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
+    echo "   took $((SECONDS - t0)) s"
   done
 fi
 python3 bench/deepspeed/table.py "$O/results.jsonl" | tee "$O/table.md"
