@@ -555,6 +555,13 @@ fn replay_predicts_the_gpu_for_the_two_rank_zero3_job() {
     replay_predicts_the_gpu("zero3-lr-rank0");
 }
 
+/// Full fine-tuning with recomputation, rank 0 of four (H200s; issue 17): three streams, a
+/// third of the frees waiting for another stream; the replay predicts the GPU's reserved memory.
+#[test]
+fn replay_predicts_the_gpu_for_the_four_rank_zero3_job() {
+    replay_predicts_the_gpu("zero3-r-4gpu-rank0");
+}
+
 /// The same job's driver calls: the replay makes each waiting free at its request and lets
 /// its pages be reused from its completion (as the GPU's events do), so it counts the event
 /// calls and re-stitches the GPU made: within 15% of the GPU's total (10% on 2026-11-25),
