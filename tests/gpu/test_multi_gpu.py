@@ -34,10 +34,11 @@ def _gpus() -> int:
 pytestmark = pytest.mark.skipif(_gpus() < 2, reason="needs 2 GPUs")
 
 
-def _torchrun(name, script, args, gmlake, tmp, steps=None, timeout=480, run=""):
+def _torchrun(name, script, args, gmlake, tmp, steps=None, timeout=480, run="", trace=False):
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = dict(NCCL_ENV)
     env["GMLAKE_DIST_RUN"] = run
+    env["GMLAKE_DIST_TRACE"] = "1" if trace else ""
     if steps is not None:
         env["GMLAKE_DIST_STEPS"] = str(steps)
     target = (["-m", "gmlake", "--quiet"] if gmlake else []) + [str(CASES / script)] + args
@@ -132,7 +133,11 @@ def test_nccl_collectives_on_stitched_tensors(tmp_path):
 def test_training_matches_native_in_every_rank(mode, tmp_path):
     """Native twice (the control: is the run deterministic?), then gmlake in every rank."""
     steps = int(os.environ.get("GMLAKE_DIST_STEPS", "200"))
-    _torchrun(f"{mode}_native", "dist_train.py", [mode, str(tmp_path)], False, tmp_path, steps)
+    # GMLAKE_DIST_TRACE=1: the first native run records each rank's allocator trace, and the
+    # traces go to the suite's output (for `gmlake replay` and bench/gpu_check.py).
+    trace = bool(os.environ.get("GMLAKE_DIST_TRACE"))
+    _torchrun(f"{mode}_native", "dist_train.py", [mode, str(tmp_path)], False, tmp_path, steps,
+              trace=trace)
     _torchrun(f"{mode}_native_again", "dist_train.py", [mode, str(tmp_path)], False, tmp_path, steps,
               run="-again")
     _torchrun(f"{mode}_gmlake", "dist_train.py", [mode, str(tmp_path)], True, tmp_path, steps)
@@ -157,6 +162,11 @@ def test_training_matches_native_in_every_rank(mode, tmp_path):
                          native_again_step_ms=again["median_step_ms"],
                          stitches=gml.get("gmlake.stitches")))
     write_out(f"dist_{mode}.json", rows)
+    if trace and OUT is not None:
+        for r in range(2):
+            src = tmp_path / f"{mode}-native-rank{r}.pickle.gz"
+            assert src.stat().st_size > 0, src
+            (OUT / src.name).write_bytes(src.read_bytes())
     for row in rows:
         # Same seeds, same data, same deterministic kernels: the losses must not depend on the
         # allocator, any more than on running again.

@@ -5,6 +5,10 @@ every step, the median step time, peak allocated / reserved bytes and their rati
 
     torchrun --nproc-per-node 2 [-m gmlake] dist_train.py ddp|fsdp <out dir>
 
+With GMLAKE_DIST_TRACE set, every rank records its allocator's events from the model's build to
+the end (bench/workloads/common.py's recorder: no stacks) and writes them to
+<out>/<mode>-<allocator>-rank<r>.pickle.gz, for `gmlake replay` and bench/gpu_check.py.
+
 The allocator is whatever the process has: gmlake when started through `-m gmlake`.
 Deterministic: fixed seeds, deterministic algorithms, no TF32, attention through SDPA's math
 backend (cuDNN's and flash attention's backward passes are not deterministic); data drawn from
@@ -30,11 +34,13 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 MODE, OUT = sys.argv[1], sys.argv[2]
 STEPS = int(os.environ.get("GMLAKE_DIST_STEPS", "200"))
 RUN = os.environ.get("GMLAKE_DIST_RUN", "")  # tells repeated runs of one allocator apart
+TRACE = bool(os.environ.get("GMLAKE_DIST_TRACE"))
 WARMUP = 10
 VOCAB, HIDDEN, LAYERS, HEADS, FFN = 16384, 768, 6, 12, 3072
 BATCH, MIN_LEN, MAX_LEN = 8, 128, 1024
 
 rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+os.makedirs(OUT, exist_ok=True)
 torch.cuda.set_device(local)
 device = torch.device("cuda", local)
 dist.init_process_group("nccl", device_id=device)
@@ -81,6 +87,12 @@ class Model(torch.nn.Module):
         return self.head(self.ln(x))
 
 
+if TRACE:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..",
+                                    "bench", "workloads"))
+    from common import start_trace, write_trace
+
+    start_trace(f"cuda:{local}")
 model = Model().to(device)
 if MODE == "ddp":
     model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local])
@@ -113,6 +125,10 @@ for step in range(STEPS):
     losses.append(float(loss.detach()))
 
 dist.barrier()
+traced = {}
+if TRACE:
+    traced = write_trace(f"cuda:{local}", os.path.join(
+        OUT, f"{MODE}-{torch.cuda.get_allocator_backend()}{RUN}-rank{rank}.pickle.gz"))
 peak_alloc = torch.cuda.max_memory_allocated(device)
 peak_res = torch.cuda.max_memory_reserved(device)
 backend = torch.cuda.get_allocator_backend()
@@ -129,9 +145,8 @@ res = dict(
     mode=MODE, rank=rank, world=world, allocator=backend, steps=STEPS, losses=losses,
     median_step_ms=1000 * statistics.median(times[WARMUP:]), peak_allocated=peak_alloc,
     peak_reserved=peak_res, utilization=peak_alloc / peak_res if peak_res else 0.0,
-    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), **extra,
+    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), **extra, **traced,
 )
-os.makedirs(OUT, exist_ok=True)
 with open(os.path.join(OUT, f"{MODE}-{backend}{RUN}-rank{rank}.json"), "w") as f:
     json.dump(res, f)
 print(f"rank {rank} {MODE} {backend}: loss {losses[-1]:.4f} step {res['median_step_ms']:.1f} ms "
