@@ -38,7 +38,7 @@ pub fn estimate_ms(calls: &DriverCalls) -> (f64, f64) {
         (calls.map, MAP_AND_ACCESS),
         (calls.unmap, UNMAP),
         (
-            calls.create_event + calls.record_event + calls.query_event,
+            calls.create_event + calls.record_event + calls.query_event + calls.stream_wait,
             EVENT,
         ),
         (calls.reserve_va + calls.free_va, VA),
@@ -63,6 +63,7 @@ pub fn difference(later: &DriverCalls, earlier: &DriverCalls) -> DriverCalls {
         create_event: d(later.create_event, earlier.create_event),
         record_event: d(later.record_event, earlier.record_event),
         query_event: d(later.query_event, earlier.query_event),
+        stream_wait: d(later.stream_wait, earlier.stream_wait),
         synchronize: d(later.synchronize, earlier.synchronize),
     }
 }

@@ -77,6 +77,12 @@ pub struct Config {
     /// are random (a stitch maps every page it moves, on every miss). None (`off`, the
     /// default): stitch first, as `defragLevel` says.
     pub util_target: Option<f64>,
+    /// `cross_stream_wait`: when a miss on stream S needs pages that only free blocks of
+    /// another stream T hold, and T's fence has not completed, make S wait on the device for an
+    /// event recorded on T now (`cuStreamWaitEvent`) and take those pages, instead of creating
+    /// new memory. The host never blocks; S's later work runs after T's earlier work, which it
+    /// usually waits for anyway (collectives' outputs). Off by default.
+    pub cross_stream_wait: bool,
 }
 
 /// Intervals of `roundup_power2_divisions`, as PyTorch's (1 MiB to 64 GiB).
@@ -99,6 +105,7 @@ impl Default for Config {
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             debug: crate::debug::DebugConfig::default(),
             util_target: None,
+            cross_stream_wait: false,
         }
     }
 }
@@ -122,6 +129,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "debug_guard_min",
     "debug_canary_bytes",
     "util_target",
+    "cross_stream_wait",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -387,6 +395,7 @@ impl Config {
                     }
                 };
             }
+            "cross_stream_wait" | "crossstreamwait" => self.cross_stream_wait = parse_bool(key, v)?,
             "small_size" | "smallsize" => {
                 let s = size(key)?;
                 if s == 0 || s > 1 << 30 {
@@ -488,6 +497,10 @@ impl Config {
                     .map_or("off".to_string(), |f| f.to_string()),
             ),
             (
+                "cross_stream_wait",
+                (self.cross_stream_wait as u8).to_string(),
+            ),
+            (
                 "memory_fraction",
                 self.memory_fraction
                     .map_or("none".to_string(), |f| f.to_string()),
@@ -585,6 +598,10 @@ mod tests {
         assert_eq!(c.util_target, Some(0.95));
         c.set("util_target", "off").unwrap();
         assert_eq!(c.util_target, None);
+        c.set("cross_stream_wait", "1").unwrap();
+        assert!(c.cross_stream_wait);
+        let e = c.set("cross_stream_wait", "sometimes").unwrap_err();
+        assert!(e.to_string().contains("cross_stream_wait"), "{e}");
     }
 
     #[test]

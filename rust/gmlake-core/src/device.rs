@@ -117,6 +117,13 @@ pub trait Device: Send + Sync {
     fn record_event(&self, event: EventHandle, stream: StreamId) -> DeviceResult<()>;
     /// True once the work before the last record of `event` has completed.
     fn query_event(&self, event: EventHandle) -> DeviceResult<bool>;
+    /// Makes the work queued on `stream` from now on wait, on the device, for the work before
+    /// the last record of `event` (`cuStreamWaitEvent`). The host does not wait. The event may
+    /// be recorded again at once: the wait keeps the record it saw.
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
+        let _ = (stream, event);
+        Err(DeviceError::Unsupported("stream_wait_event"))
+    }
     /// Blocks until all work on the device has completed.
     fn synchronize(&self) -> DeviceResult<()>;
     /// Blocks until `event` has completed (the work queued on its stream before its last
@@ -215,6 +222,9 @@ impl<D: Device + ?Sized> Device for std::sync::Arc<D> {
     }
     fn record_event(&self, event: EventHandle, stream: StreamId) -> DeviceResult<()> {
         (**self).record_event(event, stream)
+    }
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
+        (**self).stream_wait_event(stream, event)
     }
     fn query_event(&self, event: EventHandle) -> DeviceResult<bool> {
         (**self).query_event(event)

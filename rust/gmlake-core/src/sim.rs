@@ -63,6 +63,8 @@ struct PendingOp {
     /// The device virtual range the work reaches memory through (a kernel's pointer): while it
     /// is queued, unmapping that range is a fault on a GPU.
     via: Option<(DevicePtr, u64)>,
+    /// Issue order over all streams (set when queued).
+    seq: u64,
 }
 
 impl PendingOp {
@@ -140,6 +142,16 @@ struct SimState {
     contents: FxHashMap<Space, FxHashMap<u64, u64>>,
     /// Fills and copies queued on an asynchronous device, in issue order.
     queued: Vec<PendingOp>,
+    next_seq: u64,
+    /// (waiting stream, stream waited for) -> the last issue number the wait covers
+    /// (`stream_wait_event`): work of the second stream issued up to it runs before work the
+    /// first issues afterwards.
+    waits: FxHashMap<(StreamId, StreamId), u64>,
+    /// Every `stream_wait_event`: (waiting stream, stream of the event's pending record, if
+    /// any).
+    stream_waits: Vec<(StreamId, Option<StreamId>)>,
+    /// event -> the last issue number at its last record.
+    event_seq: FxHashMap<u64, u64>,
     hazards: Vec<String>,
     /// Bytes copied device to host and host to device (counted at issue).
     d2h_bytes: u64,
@@ -231,6 +243,12 @@ impl SimDevice {
         self.state.lock().complete_stream(stream);
     }
 
+    /// Every `stream_wait_event` so far: (waiting stream, stream of the event's pending record
+    /// at the time; `None` when it had completed).
+    pub fn stream_waits(&self) -> Vec<(StreamId, Option<StreamId>)> {
+        self.state.lock().stream_waits.clone()
+    }
+
     /// Whether `event` is recorded and not yet complete, and on which stream.
     pub fn pending_on(&self, event: EventHandle) -> Option<StreamId> {
         self.state.lock().events.get(&event.0).copied().flatten()
@@ -246,6 +264,7 @@ impl SimDevice {
             self.asynchronous,
             self.contents,
             PendingOp {
+                seq: 0,
                 stream,
                 what: "fill",
                 kind: OpKind::Fill { dst, seed },
@@ -520,8 +539,16 @@ impl SimState {
             self.run(op);
             return;
         }
+        let mut op = op;
+        self.next_seq += 1;
+        op.seq = self.next_seq;
         for p in &self.queued {
+            let ordered = self
+                .waits
+                .get(&(op.stream, p.stream))
+                .is_some_and(|&w| p.seq <= w);
             if p.stream != op.stream
+                && !ordered
                 && (overlaps(op.writes(), p.reads())
                     || overlaps(op.writes(), p.writes())
                     || overlaps(op.reads(), p.writes()))
@@ -543,6 +570,23 @@ impl SimState {
     }
 
     fn complete_stream(&mut self, stream: StreamId) {
+        // Work this stream waited for runs first (one level: what the waited-for work itself
+        // waited for is not chased).
+        let before: Vec<(StreamId, u64)> = self
+            .waits
+            .iter()
+            .filter(|(k, _)| k.0 == stream)
+            .map(|(k, &w)| (k.1, w))
+            .collect();
+        for (other, w) in before {
+            let (first, rest): (Vec<PendingOp>, Vec<PendingOp>) = std::mem::take(&mut self.queued)
+                .into_iter()
+                .partition(|op| op.stream == other && op.seq <= w);
+            self.queued = rest;
+            for op in first {
+                self.run(op);
+            }
+        }
         let (mine, rest): (Vec<PendingOp>, Vec<PendingOp>) = std::mem::take(&mut self.queued)
             .into_iter()
             .partition(|op| op.stream == stream);
@@ -787,6 +831,8 @@ impl Device for SimDevice {
                 let pending =
                     self.asynchronous || self.pending_from.is_some_and(|first| stream >= first);
                 *p = pending.then_some(stream);
+                let seq = st.next_seq;
+                st.event_seq.insert(event.0, seq);
                 Ok(())
             }
             None => invalid(format!("record of unknown event {}", event.0)),
@@ -800,6 +846,24 @@ impl Device for SimDevice {
             Some(p) => Ok(p.is_none()),
             None => invalid(format!("query of unknown event {}", event.0)),
         }
+    }
+
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
+        let mut st = self.state.lock();
+        st.calls.stream_wait += 1;
+        let pending = match st.events.get(&event.0) {
+            Some(p) => *p,
+            None => return invalid(format!("stream wait for unknown event {}", event.0)),
+        };
+        st.stream_waits.push((stream, pending));
+        if let Some(on) = pending {
+            if on != stream {
+                let last = st.event_seq.get(&event.0).copied().unwrap_or(0);
+                let w = st.waits.entry((stream, on)).or_insert(0);
+                *w = (*w).max(last);
+            }
+        }
+        Ok(())
     }
 
     fn synchronize(&self) -> DeviceResult<()> {
@@ -868,6 +932,7 @@ impl Device for SimDevice {
             self.asynchronous,
             self.contents,
             PendingOp {
+                seq: 0,
                 stream,
                 what: "copy_d2h_async",
                 kind: OpKind::Copy { src: s, dst: d },
@@ -892,6 +957,7 @@ impl Device for SimDevice {
             self.asynchronous,
             self.contents,
             PendingOp {
+                seq: 0,
                 stream,
                 what: "copy_h2d_async",
                 kind: OpKind::Copy { src: s, dst: d },
@@ -977,6 +1043,30 @@ mod tests {
         d.free_host(h).unwrap();
         assert!(d.free_host(h).is_err());
         assert!(d.hazards().is_empty());
+    }
+
+    #[test]
+    fn a_stream_wait_orders_work_across_streams() {
+        let d = SimDevice::new(8 * P as u64).asynchronous();
+        let (a, _) = mapped(&d, 1);
+        let e = d.create_event().unwrap();
+        // Stream 1 writes; stream 2 waits for an event recorded after it, then writes the same
+        // memory: ordered, no race, and completing stream 2 runs stream 1's write first.
+        d.fill(a, P as u64, 7, 1).unwrap();
+        d.record_event(e, 1).unwrap();
+        d.stream_wait_event(2, e).unwrap();
+        d.fill(a, 512, 8, 2).unwrap();
+        assert!(d.hazards().is_empty(), "{:?}", d.hazards());
+        assert_eq!(d.stream_waits(), vec![(2, Some(1))]);
+        d.complete_stream(2);
+        assert_eq!(d.queued_ops(), 0, "stream 1's write ran before stream 2's");
+        // Work stream 1 queues after the record is not covered: a race.
+        d.fill(a, P as u64, 9, 1).unwrap();
+        d.fill(a, 512, 10, 2).unwrap();
+        assert_eq!(d.hazards().len(), 1, "{:?}", d.hazards());
+        assert_eq!(d.calls().stream_wait, 1);
+        assert!(d.stream_wait_event(2, EventHandle(999)).is_err());
+        d.synchronize().unwrap();
     }
 
     #[test]

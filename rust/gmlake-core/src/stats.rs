@@ -104,6 +104,9 @@ pub struct DriverCalls {
     pub create_event: u64,
     pub record_event: u64,
     pub query_event: u64,
+    /// Device-side waits of one stream for an event of another (`cuStreamWaitEvent`,
+    /// `cross_stream_wait`): the host does not block.
+    pub stream_wait: u64,
     /// Blocking waits: a device synchronize, or a wait for one event (`Device::wait_event`,
     /// `cuEventSynchronize`) before memory is released or moved.
     pub synchronize: u64,
@@ -114,7 +117,7 @@ impl DriverCalls {
         self.as_pairs().iter().map(|&(_, n)| n).sum()
     }
 
-    pub fn as_pairs(&self) -> [(&'static str, u64); 11] {
+    pub fn as_pairs(&self) -> [(&'static str, u64); 12] {
         [
             ("create_physical", self.create_physical),
             ("release_physical", self.release_physical),
@@ -126,6 +129,7 @@ impl DriverCalls {
             ("create_event", self.create_event),
             ("record_event", self.record_event),
             ("query_event", self.query_event),
+            ("stream_wait", self.stream_wait),
             ("synchronize", self.synchronize),
         ]
     }

@@ -39,22 +39,46 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 fn config() -> impl Strategy<Value = Config> {
-    (0u32..3, 0usize..3, prop::bool::ANY, 0usize..3, 0usize..3).prop_map(
-        |(level, strategy, small_frag, aliases, target)| Config {
-            defrag_level: level,
-            stitch_strategy: [
-                StitchStrategy::BestFit,
-                StitchStrategy::LargestFirst,
-                StitchStrategy::Lru,
-            ][strategy],
-            frag_limit: if small_frag { 4 << 20 } else { 0 },
-            // No kept aliases, the default, and a bound small enough to evict often.
-            max_aliases: [0.0, 4.0, 0.01][aliases],
-            // Stitch first (the default), or create first within a utilization budget.
-            util_target: [None, Some(0.9), Some(0.5)][target],
-            ..Config::default()
-        },
+    (
+        0u32..3,
+        0usize..3,
+        prop::bool::ANY,
+        0usize..3,
+        0usize..3,
+        prop::bool::ANY,
     )
+        .prop_map(
+            |(level, strategy, small_frag, aliases, target, wait)| Config {
+                defrag_level: level,
+                stitch_strategy: [
+                    StitchStrategy::BestFit,
+                    StitchStrategy::LargestFirst,
+                    StitchStrategy::Lru,
+                ][strategy],
+                frag_limit: if small_frag { 4 << 20 } else { 0 },
+                // No kept aliases, the default, and a bound small enough to evict often.
+                max_aliases: [0.0, 4.0, 0.01][aliases],
+                // Stitch first (the default), or create first within a utilization budget.
+                util_target: [None, Some(0.9), Some(0.5)][target],
+                // Take another stream's pending pages by waiting for it on the device.
+                cross_stream_wait: wait,
+                ..Config::default()
+            },
+        )
+}
+
+/// Queues a write, on `stream`, of the first 512 bytes of the allocation and of every page
+/// that starts inside it, as a kernel using it would: the simulated device reports a data
+/// race (a hazard) where the allocator handed out memory that another stream's queued write
+/// may still touch, unless that stream was waited for.
+fn touch(dev: &SimDevice, p: u64, size: u64, stream: u64) -> Result<(), String> {
+    let mut at = vec![p];
+    at.extend((p.div_ceil(PAGE) * PAGE..p + size).step_by(PAGE as usize));
+    at.dedup();
+    for a in at {
+        dev.fill(a, 512, a, stream).map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 /// Checks overlap, aliasing and mapping of the live allocations.
@@ -106,6 +130,7 @@ fn run(config: Config, ops: Vec<Op>) -> Result<(), TestCaseError> {
             Op::Alloc { size, stream } => match a.allocate(size, stream) {
                 Ok(p) => {
                     prop_assert!(p != 0 && p % 512 == 0);
+                    touch(&dev, p, size, stream).map_err(TestCaseError::fail)?;
                     live.push((p, size));
                 }
                 Err(Error::OutOfMemory(info)) => {
@@ -131,6 +156,8 @@ fn run(config: Config, ops: Vec<Op>) -> Result<(), TestCaseError> {
         a.verify().map_err(TestCaseError::fail)?;
         check_live(&dev, &live).map_err(TestCaseError::fail)?;
         prop_assert!(dev.physical_bytes() <= 48 * PAGE);
+        let hazards = dev.hazards();
+        prop_assert!(hazards.is_empty(), "{:?}", hazards);
     }
     for (p, _) in live.drain(..) {
         a.free(p).map_err(|e| TestCaseError::fail(e.to_string()))?;

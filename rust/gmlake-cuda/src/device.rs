@@ -789,6 +789,27 @@ impl Device for CudaDevice {
         })
     }
 
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
+        let Some(wait) = self.drv.stream_wait_event else {
+            return Err(DeviceError::Unsupported("stream_wait_event"));
+        };
+        let events = self.events.lock();
+        if !events.contains(&event.0) {
+            return invalid(format!("stream wait for unknown event {:#x}", event.0));
+        }
+        let _ctx = self.bind()?;
+        // SAFETY: the event is live (in the set; the lock is held so it cannot be destroyed
+        // meanwhile). The stream is 0, a special handle, or a live stream handle, per the
+        // contract documented on `CudaDevice`. Flags 0 is the only value the driver defines.
+        self.drv.check("cuStreamWaitEvent", unsafe {
+            wait(
+                stream as usize as cu::CUstream,
+                event.0 as usize as cu::CUevent,
+                0,
+            )
+        })
+    }
+
     fn query_event(&self, event: EventHandle) -> DeviceResult<bool> {
         let events = self.events.lock();
         if !events.contains(&event.0) {

@@ -94,6 +94,10 @@ pub(crate) struct Driver {
     /// Pinned host memory and asynchronous copies, for the host tier. Optional: a driver (or
     /// a mock) without them still serves the allocator; the calls then report `Unsupported`.
     pub host: Option<HostCalls>,
+    /// `cuStreamWaitEvent`, for `cross_stream_wait`. Optional like `host`: without it the
+    /// call reports `Unsupported` and the allocator does not wait across streams.
+    pub stream_wait_event:
+        Option<unsafe extern "C" fn(cu::CUstream, cu::CUevent, c_uint) -> CuResult>,
 }
 
 /// The entry points of pinned host memory and stream-ordered copies.
@@ -368,6 +372,14 @@ fn load() -> Result<Driver, String> {
                     "cuEventSynchronize"
                 ),
             })
+        })()
+        .ok(),
+        stream_wait_event: (|| -> Result<_, String> {
+            Ok(resolve!(
+                lib,
+                unsafe extern "C" fn(cu::CUstream, cu::CUevent, c_uint) -> CuResult,
+                "cuStreamWaitEvent"
+            ))
         })()
         .ok(),
     })

@@ -125,6 +125,10 @@ struct State {
     retired: VecDeque<RetiredBatch>,
     event_pool: Vec<EventHandle>,
     fences: FxHashMap<StreamId, Fence>,
+    /// (stream, other stream) -> stamp: `stream` waits on the device for the work `other` had
+    /// queued at that stamp (`cross_stream_wait`), so `other`'s frees up to it are safe for
+    /// `stream`'s later work.
+    waited: FxHashMap<(StreamId, StreamId), u64>,
     /// Every physical page: how many, where each is active, spares.
     book: pages::PageBook,
     released_pools: FxHashSet<GraphPoolId>,
@@ -249,6 +253,7 @@ impl<D: Device> Allocator<D> {
             retired: VecDeque::new(),
             event_pool: Vec::new(),
             fences: FxHashMap::default(),
+            waited: FxHashMap::default(),
             book: pages::PageBook::default(),
             released_pools: FxHashSet::default(),
             captures: 0,

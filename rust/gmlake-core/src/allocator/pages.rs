@@ -195,13 +195,58 @@ impl State {
             return Ok(same);
         }
         self.refresh_fences(dev, target.stream)?;
-        Ok(same
-            + self
-                .arenas
+        let fenced = |st: &State| -> u64 {
+            st.arenas
                 .iter()
-                .filter(|a| a.key.stream != target.stream && self.may_give(a, target.stream))
+                .filter(|a| a.key.stream != target.stream && st.may_give(a, target.stream))
                 .map(|a| a.stealable_pages)
-                .sum::<u64>())
+                .sum()
+        };
+        let mut other = fenced(self);
+        if same + other < want && self.cfg.cross_stream_wait && self.captures == 0 {
+            self.wait_for_streams(dev, target.stream)?;
+            other = fenced(self);
+        }
+        Ok(same + other)
+    }
+
+    /// `cross_stream_wait`: makes `stream` wait on the device for an event recorded now on
+    /// every other stream whose free pages it may not take yet, so that it may: its later work
+    /// runs after theirs (`waited`). A device without the call, or a failed call, leaves
+    /// things as they were: the miss creates memory instead.
+    fn wait_for_streams<D: Device>(&mut self, dev: &D, stream: StreamId) -> Result<()> {
+        let mut others: Vec<StreamId> = self
+            .arenas
+            .iter()
+            .filter(|a| {
+                a.key.stream != stream
+                    && a.stealable_pages > 0
+                    && self.pool_may_give(a)
+                    && !self.may_give(a, stream)
+            })
+            .map(|a| a.key.stream)
+            .collect();
+        others.sort_unstable();
+        others.dedup();
+        for other in others {
+            let e = self.get_event(dev)?;
+            let waited = drv!(self, record_event, dev.record_event(e, other))
+                .and_then(|()| drv!(self, stream_wait, dev.stream_wait_event(stream, e)));
+            // The wait keeps the record it saw: the event may be recorded again at once.
+            self.event_pool.push(e);
+            match waited {
+                Ok(()) => {
+                    let now = self.now;
+                    let w = self.waited.entry((stream, other)).or_insert(0);
+                    *w = (*w).max(now);
+                }
+                Err(err) => {
+                    tracing::debug!("gmlake: no cross-stream wait: {err}");
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Pages of this arena may be taken: it is no live CUDA graph pool.
@@ -210,14 +255,18 @@ impl State {
     }
 
     /// Pages of this arena may be taken for `stream`: same stream, or fenced since its last
-    /// free.
+    /// free, or `stream` waits (on the device) for the arena's stream since its last free.
     pub(super) fn may_give(&self, a: &Arena, stream: StreamId) -> bool {
         self.pool_may_give(a)
             && (a.key.stream == stream
                 || self
                     .fences
                     .get(&a.key.stream)
-                    .is_some_and(|f| f.completed >= a.last_free))
+                    .is_some_and(|f| f.completed >= a.last_free)
+                || self
+                    .waited
+                    .get(&(stream, a.key.stream))
+                    .is_some_and(|&w| w >= a.last_free))
     }
 
     /// Chooses the next block to take pages from, by strategy: (arena, block, pages there).

@@ -165,6 +165,11 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
             cross_stream_fence::<T>,
         ),
         c(
+            "allocator/cross_stream_wait_takes_pending_pages_instead_of_new_memory",
+            Only::HeldEvents,
+            cross_stream_wait::<T>,
+        ),
+        c(
             "allocator/retired_mappings_wait_for_their_event",
             Only::HeldEvents,
             retired_mappings_wait::<T>,
@@ -1205,6 +1210,41 @@ fn cross_stream_fence<T: Target>(t: &T) -> CaseResult {
     ensure(a.stats().stitches >= 1, || {
         "no stitch across streams".into()
     })
+}
+
+fn cross_stream_wait<T: Target>(t: &T) -> CaseResult {
+    // As the second part of `cross_stream_fence` (memory to spare, stream 1's fence pending),
+    // but with `cross_stream_wait`: stream 2 waits on the device for stream 1 and takes its
+    // pages, with no new memory and no host synchronisation.
+    let config = Config {
+        cross_stream_wait: true,
+        ..Config::default()
+    };
+    let a = setup2(t, 1 << 30, config)?;
+    let p = a.allocate(40 * MIB, 1).step("allocate")?;
+    a.free(p).step("free")?;
+    let before = reserved(&a);
+    let q = a.allocate(40 * MIB, 2).step("allocate on stream 2")?;
+    let s = a.stats();
+    ensure(reserved(&a) == before, || {
+        format!("new memory: {} reserved, {before} before", reserved(&a))
+    })?;
+    ensure(s.stitches >= 1, || "no stitch across streams".into())?;
+    ensure(s.num_sync_all_streams == 0, || "the host waited".into())?;
+    ensure(s.driver_calls.stream_wait >= 1, || "no stream wait".into())?;
+    verify(&a)?;
+    // Stream 1 frees again after the wait: its new free is not covered, so stream 2 waits
+    // again rather than take it unordered.
+    let r = a.allocate(40 * MIB, 1).step("allocate on stream 1")?;
+    a.free(r).step("free")?;
+    a.free(q).step("free q")?;
+    let waits = a.stats().driver_calls.stream_wait;
+    a.allocate(80 * MIB, 2)
+        .step("allocate 80 MiB on stream 2")?;
+    ensure(a.stats().driver_calls.stream_wait > waits, || {
+        "a later free taken without a new wait".into()
+    })?;
+    verify(&a)
 }
 
 fn retired_mappings_wait<T: Target>(t: &T) -> CaseResult {

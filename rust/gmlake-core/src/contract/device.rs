@@ -154,6 +154,11 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
             held_event_pending_until_work_completes::<T>,
         ),
         c(
+            "device/stream_waits_for_an_event_of_another_stream",
+            Only::Any,
+            stream_waits_for_an_event::<T>,
+        ),
+        c(
             "device/host_memory_rules",
             Only::Any,
             host_memory_rules::<T>,
@@ -649,6 +654,43 @@ fn held_event_pending_until_work_completes<T: Target>(t: &T) -> CaseResult {
         "synchronize did not complete the event".into()
     })?;
     dev.destroy_event(e).step("destroy_event")
+}
+
+fn stream_waits_for_an_event<T: Target>(t: &T) -> CaseResult {
+    let (dev, _) = open(t)?;
+    let before = census(t, &dev);
+    let e = dev.create_event().step("create_event")?;
+    // A wait for an event never recorded, or completed, is a no-op; one recorded on stream 1,
+    // pending or not, is accepted on streams 0 and 2 and on stream 1 itself.
+    match dev.stream_wait_event(0, e) {
+        Err(DeviceError::Unsupported(_)) => {
+            dev.destroy_event(e).step("destroy_event")?;
+            return Err(Fail::Skipped("the device has no stream waits".into()));
+        }
+        r => r.step("stream_wait_event for an event never recorded")?,
+    }
+    dev.record_event(e, 1).step("record_event on stream 1")?;
+    for s in [0, 2, 1] {
+        dev.stream_wait_event(s, e)
+            .step("stream_wait_event for a recorded event")?;
+    }
+    // The event may be recorded again at once.
+    dev.record_event(e, 1).step("record_event again")?;
+    t.complete_all(&dev).step("completing the device's work")?;
+    dev.synchronize().step("synchronize")?;
+    ensure(dev.query_event(e).step("query_event")?, || {
+        "event pending after synchronize".into()
+    })?;
+    dev.destroy_event(e).step("destroy_event")?;
+    refused(
+        dev.stream_wait_event(0, e),
+        "stream wait for a destroyed event",
+    )?;
+    refused(
+        dev.stream_wait_event(0, EventHandle(0)),
+        "stream wait for event 0",
+    )?;
+    same_census(t, &dev, before, "after destroying the event")
 }
 
 fn host_memory_rules<T: Target>(t: &T) -> CaseResult {
