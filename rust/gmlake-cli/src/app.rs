@@ -87,7 +87,12 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
             let result = if args.trace_only {
                 replay_one(dev, &mut TraceOnly::default(), &options, &progress).map(|m| (m, None))
             } else {
-                match SimBackend::new(capacity, config.clone()) {
+                let backend = if args.busy_side_streams {
+                    SimBackend::busy_side_streams(capacity, config.clone())
+                } else {
+                    SimBackend::new(capacity, config.clone())
+                };
+                match backend {
                     Ok(mut backend) => {
                         replay_one(dev, &mut backend, &options, &progress).map(|m| {
                             let ours = backend.summary(m.sampled_peak_reserved_bytes);

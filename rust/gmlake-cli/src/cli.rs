@@ -166,6 +166,17 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub instant_frees: bool,
 
+    /// Model the job's side streams (collectives' streams: any but the default stream) as
+    /// busy when the allocator looks: an event it records on one (a fence before taking that
+    /// stream's freed pages) is still pending within the trace event that recorded it, and
+    /// complete at the next. By default every event completes at once, which is right where
+    /// those streams are mostly idle (DeepSpeed ZeRO-3 on the GPU) and optimistic where they
+    /// always have work queued (FSDP2's prefetched all-gathers): there, a miss that needs
+    /// another stream's freed pages makes new memory instead (or, with `cross_stream_wait`,
+    /// waits on the device), as on the GPU.
+    #[arg(long)]
+    pub busy_side_streams: bool,
+
     /// Also report the driver calls by kind in N windows of equal event counts, with the
     /// stitcher's decisions that made them (new stitches and the pages they moved, reuses of
     /// kept ranges, aliases replaced or evicted) (JSON: `driver_calls_windows`; table: one

@@ -36,6 +36,9 @@ pub trait Backend {
     }
     /// The work queued on `waiter` has completed.
     fn complete(&mut self, _waiter: StreamId) {}
+    /// The next trace event begins: work queued on the job's streams before it has completed
+    /// (for a backend that models it as pending until then).
+    fn settle(&mut self) {}
 }
 
 /// The stitcher's counters (accumulated counters of gmlake's statistics) that `--windows`
@@ -63,6 +66,8 @@ pub const WAITER_STREAMS: StreamId = 1 << 62;
 /// The GMLake allocator on a simulated device.
 pub struct SimBackend {
     allocator: Allocator<SimDevice>,
+    /// Events recorded on the job's streams stay pending until the next trace event.
+    busy: bool,
 }
 
 /// Our allocator's figures after a replay.
@@ -80,12 +85,27 @@ pub struct OursSummary {
 
 impl SimBackend {
     /// An allocator with `config` on a simulated device of `capacity` bytes.
+    /// Events the allocator records on the job's streams complete at once.
     pub fn new(capacity: u64, config: Config) -> Result<SimBackend, CoreError> {
         Ok(SimBackend {
             allocator: Allocator::new(
                 SimDevice::new(capacity).pending_from(WAITER_STREAMS),
                 config,
             )?,
+            busy: false,
+        })
+    }
+
+    /// As [`SimBackend::new`], but an event the allocator records on one of the job's side
+    /// streams (any but the default stream, 0) is still pending within the trace event that
+    /// recorded it, and complete at the next: a collective's stream is busy when the
+    /// allocator looks (a fence recorded during a miss is not complete at that miss), and
+    /// catches up between the host's calls. The default stream's events complete at once, as
+    /// in [`SimBackend::new`].
+    pub fn busy_side_streams(capacity: u64, config: Config) -> Result<SimBackend, CoreError> {
+        Ok(SimBackend {
+            allocator: Allocator::new(SimDevice::new(capacity).pending_from(1), config)?,
+            busy: true,
         })
     }
 
@@ -130,6 +150,14 @@ impl Backend for SimBackend {
     }
     fn complete(&mut self, waiter: StreamId) {
         self.allocator.device().complete_stream(waiter);
+    }
+    #[inline]
+    fn settle(&mut self) {
+        if self.busy {
+            self.allocator
+                .device()
+                .complete_streams_below(WAITER_STREAMS);
+        }
     }
 }
 
@@ -371,6 +399,7 @@ pub fn replay<B: Backend>(
     let cpu_start = thread_cpu_time();
     let wall_start = Instant::now();
     for (i, e) in events.iter().enumerate() {
+        backend.settle();
         if i == half {
             half_driver_calls = backend.driver_calls();
         }

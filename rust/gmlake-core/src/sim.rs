@@ -237,6 +237,24 @@ impl SimDevice {
         st.events.values_mut().for_each(|p| *p = None);
     }
 
+    /// Completes the work queued on every stream below `limit` (streams at or above it stay
+    /// busy): their fills and copies run, and the events recorded on them complete. Cheap when
+    /// nothing is pending there.
+    pub fn complete_streams_below(&self, limit: StreamId) {
+        let mut st = self.state.lock();
+        let mut streams: Vec<StreamId> = st
+            .events
+            .values()
+            .filter_map(|p| p.filter(|&s| s < limit))
+            .chain(st.queued.iter().map(|op| op.stream).filter(|&s| s < limit))
+            .collect();
+        streams.sort_unstable();
+        streams.dedup();
+        for s in streams {
+            st.complete_stream(s);
+        }
+    }
+
     /// Completes the work queued on `stream` only (other streams stay busy): its fills and
     /// copies run, in issue order, and the events recorded on it complete.
     pub fn complete_stream(&self, stream: StreamId) {
