@@ -75,11 +75,9 @@ def find_gmlake(given: Optional[str]) -> str:
     raise BadInput("no gmlake binary: build it (cargo build --release -p gmlake-cli) or pass --gmlake")
 
 
-def replay(gmlake: str, trace: Path, settings: List[str]) -> dict:
-    cmd = [gmlake, "replay", "--json"]
-    for s in settings:
-        cmd += ["--set", s]
-    cmd.append(str(trace))
+def replay(gmlake: str, trace: Path, args: List[str]) -> dict:
+    """`args`: the replay's options (`--set KEY=VALUE`, `--busy-side-streams`)."""
+    cmd = [gmlake, "replay", "--json", *args, str(trace)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
     if r.returncode != 0 or not rows:
@@ -94,7 +92,7 @@ def rel(pred: Optional[float], gpu: Optional[float]) -> Optional[float]:
     return (pred - gpu) / gpu
 
 
-def check(trace: Path, gpu: str, gmlake: str, settings: List[str]) -> dict:
+def check(trace: Path, gpu: str, gmlake: str, args: List[str]) -> dict:
     path, _, tag = gpu.partition("#")
     gpu_path = Path(path)
     if tag and gpu_path.suffix != ".jsonl":
@@ -105,7 +103,7 @@ def check(trace: Path, gpu: str, gmlake: str, settings: List[str]) -> dict:
         raise BadInput(f"{gpu_path}: no gmlake run (allocators there: {', '.join(runs) or 'none'})")
     if not g.get("peak_reserved_bytes"):
         raise BadInput(f"{gpu_path}: the gmlake run has no peak_reserved_bytes")
-    row = replay(gmlake, trace, settings)
+    row = replay(gmlake, trace, args)
     n = runs.get("native", {})
     gpu_calls = g.get("driver_calls")
     if isinstance(gpu_calls, dict):
@@ -149,6 +147,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.02,
                     help="largest relative error of the predicted peak reserved (default 0.02)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings")
+    ap.add_argument("--busy-side-streams", action="store_true",
+                    help="replay with side streams busy when the allocator looks (gmlake replay's "
+                         "option: right for jobs that keep collectives queued, such as FSDP2)")
     ap.add_argument("--json", action="store_true", help="one JSON object per workload")
     a = ap.parse_args(argv)
     if not 0 < a.tolerance < 1:
@@ -160,7 +161,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         for p in a.pairs:
             t, _, g = p.partition("=")
             trace = Path(t)
-            results.append(check(trace, g or str(default_gpu_path(trace)), gmlake, a.settings))
+            args = [x for s in a.settings for x in ("--set", s)]
+            args += ["--busy-side-streams"] if a.busy_side_streams else []
+            results.append(check(trace, g or str(default_gpu_path(trace)), gmlake, args))
     except BadInput as e:
         print(f"gpu_check: {e}", file=sys.stderr)
         return 2
