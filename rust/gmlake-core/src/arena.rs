@@ -581,6 +581,7 @@ impl Arena {
     }
 
     /// Whether the page at `va` is an interior page of a free mapped block (it may be lent).
+    #[cfg(test)]
     pub fn page_is_free(&self, va: u64) -> bool {
         self.block_containing(va).is_some_and(|(addr, b)| {
             matches!(b.state, BlockState::FreeMapped { .. }) && va + self.page <= addr + b.size

@@ -397,6 +397,21 @@ impl State {
     /// `stream`): it is active at an interior page of a free mapped block of an arena that
     /// may give to `stream`, outside `avoid` (the region being reused, which it would cut).
     fn reusable(&self, h: PhysHandle, aid: u32, stream: StreamId, avoid: (u64, u64)) -> bool {
+        self.reusable_cached(h, aid, stream, avoid, &mut None)
+    }
+
+    /// [`State::reusable`], remembering the block it last looked up: the pages of a kept
+    /// window were stitched together, so they are mostly active in one block elsewhere, and
+    /// consecutive calls skip the search for it. `last` is (arena, block start, block end,
+    /// free mapped), valid while the arenas do not change (one scan).
+    fn reusable_cached(
+        &self,
+        h: PhysHandle,
+        aid: u32,
+        stream: StreamId,
+        avoid: (u64, u64),
+        last: &mut Option<(u32, u64, u64, bool)>,
+    ) -> bool {
         let Some(&(x, va)) = self.book.home.get(&h) else {
             return false;
         };
@@ -404,7 +419,25 @@ impl State {
             return false;
         }
         let a = &self.arenas[x as usize];
-        self.may_give(a, stream) && a.page_is_free(va)
+        if !self.may_give(a, stream) {
+            return false;
+        }
+        let free = match *last {
+            Some((lx, lo, hi, free)) if lx == x && va >= lo && va < hi => free,
+            _ => match a.block_containing(va) {
+                Some((addr, b)) => {
+                    let free = matches!(b.state, ArenaState::FreeMapped { .. });
+                    *last = Some((x, addr, addr + b.size, free));
+                    free
+                }
+                None => {
+                    *last = None;
+                    false
+                }
+            },
+        };
+        // As `Arena::page_is_free`: the whole page lies in the free mapped block.
+        free && last.is_some_and(|(_, _, hi, _)| va + self.page <= hi)
     }
 
     /// The range of arena `aid` that `size` bytes should take among its kept mappings: a
@@ -455,6 +488,7 @@ impl State {
             }
             // Units: free mapped blocks (cost 0), lent pages: reusable (0) or busy (1).
             let mut units: Vec<(u64, u64, u8)> = Vec::new(); // (addr, len, 0 free/1 reusable/2 busy)
+            let mut last = None;
             for (addr, b) in region {
                 if matches!(b.state, ArenaState::FreeMapped { .. }) {
                     units.push((addr, b.size, 0));
@@ -463,7 +497,7 @@ impl State {
                 checked += b.size / page;
                 // Every page of a lent block is an alias (I3).
                 for (va, h) in arena.lent_in(addr, addr + b.size) {
-                    let kind = if self.reusable(h, aid, stream, (0, 0)) {
+                    let kind = if self.reusable_cached(h, aid, stream, (0, 0), &mut last) {
                         1
                     } else {
                         2
