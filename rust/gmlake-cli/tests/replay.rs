@@ -52,6 +52,15 @@ fn json_rows(out: &Output) -> Vec<Value> {
         .collect()
 }
 
+/// The JSON row of the first device of `gmlake replay --json ARGS... tests/traces/NAME`.
+fn replay_row(name: &str, args: &[&str]) -> Value {
+    let t = trace(name);
+    let mut all: Vec<&std::ffi::OsStr> = vec!["replay".as_ref(), "--json".as_ref()];
+    all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
+    all.push(t.as_os_str());
+    json_rows(&gmlake(&all)).remove(0)
+}
+
 /// An event as the test reads it, independently of the crate's own parser.
 #[derive(deser::Deserialize, deser::Serialize)]
 struct TestEvent {
@@ -493,17 +502,8 @@ fn trace_only_reports_the_traces_own_figures() {
 
 /// Driver calls of the second half of a replay, and the row.
 fn second_half(name: &str, set: &[&str]) -> (u64, Value) {
-    let mut args = vec![
-        "replay".to_string(),
-        trace(name).display().to_string(),
-        "--json".into(),
-    ];
-    for s in set {
-        args.push("--set".into());
-        args.push(s.to_string());
-    }
-    let rows = json_rows(&gmlake(&args));
-    let row = rows.into_iter().next().expect("one row");
+    let args: Vec<&str> = set.iter().flat_map(|s| ["--set", s]).collect();
+    let row = replay_row(name, &args);
     let n = row["driver_calls_second_half"]
         .as_u64()
         .expect("second-half calls");
@@ -574,14 +574,10 @@ fn replay_predicts_the_gpu_driver_calls_of_the_zero3_job() {
     .expect("GPU figures are JSON");
     let gpu_calls = &gpu["runs"]["gmlake"]["driver_calls"];
     let calls = |extra: &[&str]| {
-        let mut args: Vec<&std::ffi::OsStr> = vec!["replay".as_ref(), "--json".as_ref()];
-        args.extend(extra.iter().map(|a| std::ffi::OsStr::new(*a)));
-        let t = trace("zero3-lr-rank0.pickle.gz");
-        args.push(t.as_os_str());
-        let rows = json_rows(&gmlake(&args));
+        let row = replay_row("zero3-lr-rank0.pickle.gz", extra);
         (
-            rows[0]["driver_calls"].clone(),
-            rows[0]["deferred_frees"].as_u64().unwrap(),
+            row["driver_calls"].clone(),
+            row["deferred_frees"].as_u64().unwrap(),
         )
     };
     let off = |ours: &Value, kind: &str| {
@@ -728,13 +724,7 @@ fn windows_split_the_driver_calls_and_add_up() {
 /// the instant model comes back with a few dozen waits.
 #[test]
 fn busy_side_streams_show_the_fsdp2_fences_and_cross_stream_wait_takes_their_pages() {
-    let run = |args: &[&str]| {
-        let t = trace("fsdp2-2rank-rank0.pickle.gz");
-        let mut all: Vec<&std::ffi::OsStr> = vec!["replay".as_ref(), "--json".as_ref()];
-        all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
-        all.push(t.as_os_str());
-        json_rows(&gmlake(&all)).remove(0)
-    };
+    let run = |args: &[&str]| replay_row("fsdp2-2rank-rank0.pickle.gz", args);
     let util = |r: &Value| r["utilization"].as_f64().unwrap();
     let instant = run(&[]);
     let busy = run(&["--busy-side-streams"]);
@@ -746,12 +736,6 @@ fn busy_side_streams_show_the_fsdp2_fences_and_cross_stream_wait_takes_their_pag
     let waits = waiting["driver_calls"]["stream_wait"].as_u64().unwrap();
     assert!(waits > 0 && waits < 200, "{waits} stream waits");
     // A single-stream trace is the same under both models.
-    let one = |args: &[&str]| {
-        let t = trace("decode.pickle");
-        let mut all: Vec<&std::ffi::OsStr> = vec!["replay".as_ref(), "--json".as_ref()];
-        all.extend(args.iter().map(|a| std::ffi::OsStr::new(*a)));
-        all.push(t.as_os_str());
-        json_rows(&gmlake(&all)).remove(0)["peak_reserved_bytes"].clone()
-    };
+    let one = |args: &[&str]| replay_row("decode.pickle", args)["peak_reserved_bytes"].clone();
     assert_eq!(one(&[]), one(&["--busy-side-streams"]));
 }
