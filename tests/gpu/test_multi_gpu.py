@@ -135,12 +135,16 @@ def test_training_matches_native_in_every_rank(mode, tmp_path):
     steps = int(os.environ.get("GMLAKE_DIST_STEPS", "200"))
     # GMLAKE_DIST_TRACE=1: the first native run records each rank's allocator trace, and the
     # traces go to the suite's output (for `gmlake replay` and bench/gpu_check.py).
+    # GMLAKE_DIST_TRACE=all: the gmlake run records its own trace too (its segment_map events
+    # say which stream's arena grew, and when).
     trace = bool(os.environ.get("GMLAKE_DIST_TRACE"))
+    trace_gmlake = os.environ.get("GMLAKE_DIST_TRACE") == "all"
     _torchrun(f"{mode}_native", "dist_train.py", [mode, str(tmp_path)], False, tmp_path, steps,
               trace=trace)
     _torchrun(f"{mode}_native_again", "dist_train.py", [mode, str(tmp_path)], False, tmp_path, steps,
               run="-again")
-    _torchrun(f"{mode}_gmlake", "dist_train.py", [mode, str(tmp_path)], True, tmp_path, steps)
+    _torchrun(f"{mode}_gmlake", "dist_train.py", [mode, str(tmp_path)], True, tmp_path, steps,
+              trace=trace_gmlake)
 
     def diff(a, b):
         return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
@@ -160,13 +164,24 @@ def test_training_matches_native_in_every_rank(mode, tmp_path):
                          native_peak_allocated=nat["peak_allocated"], gmlake_peak_allocated=gml["peak_allocated"],
                          native_step_ms=nat["median_step_ms"], gmlake_step_ms=gml["median_step_ms"],
                          native_again_step_ms=again["median_step_ms"],
-                         stitches=gml.get("gmlake.stitches")))
+                         stitches=gml.get("gmlake.stitches"),
+                         gmlake_after_warmup_per_step=gml.get("after_warmup_per_step"),
+                         gmlake_stream_waits=gml.get("gmlake.driver_calls.stream_wait"),
+                         gmlake_retries=gml.get("num_alloc_retries"),
+                         # Peak reserved after warm-up's 10 steps, at the middle and at the end.
+                         gmlake_peak_reserved_steps=[gml["peak_reserved_by_step"][i]
+                                                     for i in (9, steps // 2, steps - 1)
+                                                     if i < steps],
+                         native_peak_reserved_steps=[nat["peak_reserved_by_step"][i]
+                                                     for i in (9, steps // 2, steps - 1)
+                                                     if i < steps]))
     write_out(f"dist_{mode}.json", rows)
     if trace and OUT is not None:
         for r in range(2):
-            src = tmp_path / f"{mode}-native-rank{r}.pickle.gz"
-            assert src.stat().st_size > 0, src
-            (OUT / src.name).write_bytes(src.read_bytes())
+            for alloc in ["native"] + (["gmlake"] if trace_gmlake else []):
+                src = tmp_path / f"{mode}-{alloc}-rank{r}.pickle.gz"
+                assert src.stat().st_size > 0, src
+                (OUT / src.name).write_bytes(src.read_bytes())
     for row in rows:
         # Same seeds, same data, same deterministic kernels: the losses must not depend on the
         # allocator, any more than on running again.

@@ -119,11 +119,10 @@ pub trait Device: Send + Sync {
     fn query_event(&self, event: EventHandle) -> DeviceResult<bool>;
     /// Makes the work queued on `stream` from now on wait, on the device, for the work before
     /// the last record of `event` (`cuStreamWaitEvent`). The host does not wait. The event may
-    /// be recorded again at once: the wait keeps the record it saw.
-    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
-        let _ = (stream, event);
-        Err(DeviceError::Unsupported("stream_wait_event"))
-    }
+    /// be recorded again at once: the wait keeps the record it saw. A device without it
+    /// returns [`DeviceError::Unsupported`]. No default: a decorator that forgot to forward
+    /// it would silently turn `cross_stream_wait` off.
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()>;
     /// Blocks until all work on the device has completed.
     fn synchronize(&self) -> DeviceResult<()>;
     /// Blocks until `event` has completed (the work queued on its stream before its last

@@ -176,6 +176,13 @@ macro_rules! for_device_stats {
                 /// pages were all free, and the pages taken back for them.
                 stitch_reuses: u64 = accumulated,
                 pages_reused: u64 = accumulated,
+                /// Pages created at a miss while free blocks of other streams held pages it
+                /// could not take yet (their streams' fences had not completed, and no
+                /// device-side wait made them takeable): memory that a busy stream cost.
+                pages_created_unfenced: u64 = accumulated,
+                /// `cross_stream_wait`: device-side waits the device refused (the miss created
+                /// memory instead).
+                stream_waits_failed: u64 = accumulated,
                 /// Kept mappings unmapped because there were more than `max_aliases` allowed.
                 alias_evictions: u64 = accumulated,
                 /// Kept aliases unmapped and refilled with another page, to reuse a range whose

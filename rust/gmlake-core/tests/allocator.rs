@@ -121,6 +121,13 @@ fn device_failure_is_an_error_not_a_panic() {
         fn query_event(&self, _: gmlake_core::EventHandle) -> gmlake_core::DeviceResult<bool> {
             Ok(true)
         }
+        fn stream_wait_event(
+            &self,
+            _: u64,
+            _: gmlake_core::EventHandle,
+        ) -> gmlake_core::DeviceResult<()> {
+            Err(gmlake_core::DeviceError::Unsupported("stream_wait_event"))
+        }
         fn synchronize(&self) -> gmlake_core::DeviceResult<()> {
             Ok(())
         }

@@ -128,6 +128,9 @@ fn a_device_breaking_the_rules_fails_the_cases_that_check_them() {
         fn query_event(&self, event: EventHandle) -> DeviceResult<bool> {
             self.0.query_event(event)
         }
+        fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
+            self.0.stream_wait_event(stream, event)
+        }
         fn synchronize(&self) -> DeviceResult<()> {
             self.0.synchronize()
         }

@@ -167,6 +167,20 @@ impl<D: Device> Device for CaptureAware<D> {
         }
         self.inner.query_event(event)
     }
+    fn stream_wait_event(&self, stream: StreamId, event: EventHandle) -> DeviceResult<()> {
+        // A deferred event is not recorded yet: a wait now would see its previous record (or
+        // none), an older point than the caller asked for. The allocator takes no cross-stream
+        // wait during a capture anyway; refusing keeps that true below it.
+        if self.captures.load(Ordering::Acquire) != 0 || self.is_deferred(event) {
+            return Err(DeviceError::Driver {
+                call: "cuStreamWaitEvent",
+                code: 900,
+                message: "not permitted while a CUDA graph capture (or a pool routing) is underway"
+                    .into(),
+            });
+        }
+        self.inner.stream_wait_event(stream, event)
+    }
     fn synchronize(&self) -> DeviceResult<()> {
         if self.captures.load(Ordering::Acquire) != 0 {
             return Err(DeviceError::Driver {
@@ -245,6 +259,61 @@ mod tests {
         d.inner().complete_all();
         assert!(d.query_event(e).unwrap());
         assert!(d.end_capture().is_err(), "unbalanced end");
+    }
+
+    /// The contract suite through the decorator, outside captures: it must keep every rule of
+    /// the device it wraps and offer all it offers. (It once did not forward
+    /// `stream_wait_event`, and the trait's default made `cross_stream_wait` a silent no-op
+    /// on GPUs while every model test passed.)
+    struct Wrapped;
+
+    impl gmlake_core::contract::Target for Wrapped {
+        type Dev = CaptureAware<SimDevice>;
+        fn name(&self) -> String {
+            "capture-aware(sim-async)".into()
+        }
+        fn open(&self) -> DeviceResult<Self::Dev> {
+            Ok(CaptureAware::new(SimDevice::new(64 << 30).asynchronous()))
+        }
+        fn is_model(&self) -> bool {
+            true
+        }
+        fn holds_events(&self) -> bool {
+            true
+        }
+        fn complete_all(&self, dev: &Self::Dev) -> DeviceResult<()> {
+            dev.inner().complete_all();
+            Ok(())
+        }
+        fn census(&self, dev: &Self::Dev) -> Option<gmlake_core::contract::Census> {
+            let d = dev.inner();
+            Some(gmlake_core::contract::Census {
+                handles: d.live_handles(),
+                mappings: d.live_mappings(),
+                reservations: d.live_reservations(),
+                events: d.live_events(),
+            })
+        }
+    }
+
+    #[test]
+    fn the_decorator_keeps_the_whole_contract() {
+        let r = gmlake_core::contract::run(&Wrapped, &gmlake_core::contract::all_cases());
+        println!("{r}");
+        r.assert_ok();
+        assert_eq!(r.skipped(), 0, "every case applies: {r}");
+    }
+
+    #[test]
+    fn stream_waits_are_refused_during_a_capture_and_forwarded_after() {
+        let d = CaptureAware::new(SimDevice::new(1 << 30).asynchronous());
+        let e = d.create_event().unwrap();
+        d.begin_capture();
+        d.record_event(e, 1).unwrap();
+        assert!(d.stream_wait_event(0, e).is_err(), "deferred event");
+        d.end_capture().unwrap();
+        d.stream_wait_event(0, e).unwrap();
+        assert_eq!(d.inner().calls().stream_wait, 1);
     }
 
     #[test]

@@ -107,8 +107,26 @@ else:
     raise SystemExit(f"unknown mode {MODE!r}")
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
 
-losses, times = [], []
+
+def gmlake_stats():
+    """gmlake's counters (driver calls by kind, stitches, stream waits...), {} under native."""
+    try:
+        import gmlake
+
+        if gmlake.is_enabled():
+            return {k: v for k, v in gmlake.stats(device).items()
+                    if (k.startswith("gmlake.") or k in ("num_alloc_retries", "num_ooms"))
+                    and isinstance(v, (int, float))}
+    except ImportError:
+        pass
+    return {}
+
+
+losses, times, reserved = [], [], []
+at_warmup = {}
 for step in range(STEPS):
+    if step == WARMUP:
+        at_warmup = gmlake_stats()
     g = torch.Generator().manual_seed(100_000 * step + rank)
     n = int(torch.randint(MIN_LEN, MAX_LEN + 1, (1,), generator=g))
     tokens = torch.randint(0, VOCAB, (BATCH, n + 1), generator=g).to(device, non_blocking=True)
@@ -123,6 +141,8 @@ for step in range(STEPS):
     torch.cuda.synchronize()
     times.append(time.perf_counter() - t0)
     losses.append(float(loss.detach()))
+    # Where the peak is reached (warm-up or later) tells a start-up cost from a steady-state one.
+    reserved.append(torch.cuda.max_memory_reserved(device))
 
 dist.barrier()
 traced = {}
@@ -132,20 +152,18 @@ if TRACE:
 peak_alloc = torch.cuda.max_memory_allocated(device)
 peak_res = torch.cuda.max_memory_reserved(device)
 backend = torch.cuda.get_allocator_backend()
-extra = {}
-try:
-    import gmlake
-
-    if gmlake.is_enabled():
-        st = gmlake.stats(device)
-        extra = {k: st[k] for k in ("gmlake.stitches", "gmlake.pages_stitched") if k in st}
-except ImportError:
-    pass
+extra = gmlake_stats()
+if extra and at_warmup and STEPS > WARMUP:
+    # Counters of the steps after warm-up, per step: the steady state's driver work.
+    extra["after_warmup_per_step"] = {
+        k: (extra[k] - at_warmup.get(k, 0)) / (STEPS - WARMUP) for k in extra
+        if k.startswith("gmlake.driver_calls") or k in ("gmlake.stitches", "gmlake.pages_stitched")}
 res = dict(
     mode=MODE, rank=rank, world=world, allocator=backend, steps=STEPS, losses=losses,
     median_step_ms=1000 * statistics.median(times[WARMUP:]), peak_allocated=peak_alloc,
     peak_reserved=peak_res, utilization=peak_alloc / peak_res if peak_res else 0.0,
     nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), **extra, **traced,
+    peak_reserved_by_step=reserved,
 )
 with open(os.path.join(OUT, f"{MODE}-{backend}{RUN}-rank{rank}.json"), "w") as f:
     json.dump(res, f)

@@ -104,6 +104,10 @@ impl State {
                 return Err(e);
             }
         };
+        if !created.is_empty() {
+            let unfenced = self.unfenced_pages(aid);
+            self.stats.pages_created_unfenced += unfenced.min(created.len() as u64);
+        }
         let short = need - steal - created.len() as u64;
         if short > 0 && stitch {
             if !steal_first {
@@ -241,12 +245,26 @@ impl State {
                     *w = (*w).max(now);
                 }
                 Err(err) => {
+                    self.stats.stream_waits_failed += 1;
                     tracing::debug!("gmlake: no cross-stream wait: {err}");
                     return Ok(());
                 }
             }
         }
         Ok(())
+    }
+
+    /// Takeable pages of other streams' free blocks that arena `aid` may not take yet (their
+    /// fences pending). For statistics; O(arenas).
+    fn unfenced_pages(&self, aid: u32) -> u64 {
+        let stream = self.arenas[aid as usize].key.stream;
+        self.arenas
+            .iter()
+            .filter(|a| {
+                a.key.stream != stream && self.pool_may_give(a) && !self.may_give(a, stream)
+            })
+            .map(|a| a.stealable_pages)
+            .sum()
     }
 
     /// Pages of this arena may be taken: it is no live CUDA graph pool.
