@@ -81,7 +81,9 @@ pub struct Config {
     /// another stream T hold, and T's fence has not completed, make S wait on the device for an
     /// event recorded on T now (`cuStreamWaitEvent`) and take those pages, instead of creating
     /// new memory. The host never blocks; S's later work runs after T's earlier work, which it
-    /// usually waits for anyway (collectives' outputs). Off by default.
+    /// usually waits for anyway (collectives' outputs). On by default: without it a stream
+    /// that always has work queued (FSDP2's all-gather stream) costs new memory at every such
+    /// miss (FSDP2 on two H200s: 0.94 utilization without, 0.99 with, same step time).
     pub cross_stream_wait: bool,
 }
 
@@ -105,7 +107,7 @@ impl Default for Config {
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             debug: crate::debug::DebugConfig::default(),
             util_target: None,
-            cross_stream_wait: false,
+            cross_stream_wait: true,
         }
     }
 }
@@ -598,6 +600,9 @@ mod tests {
         assert_eq!(c.util_target, Some(0.95));
         c.set("util_target", "off").unwrap();
         assert_eq!(c.util_target, None);
+        assert!(c.cross_stream_wait, "on by default");
+        c.set("cross_stream_wait", "0").unwrap();
+        assert!(!c.cross_stream_wait);
         c.set("cross_stream_wait", "1").unwrap();
         assert!(c.cross_stream_wait);
         let e = c.set("cross_stream_wait", "sometimes").unwrap_err();

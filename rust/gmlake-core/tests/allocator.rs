@@ -151,9 +151,21 @@ fn allocator_is_send_and_sync() {
 /// a collective waiting for a peer) is not waited for. Memory is still never released or
 /// reused before the work of its own stream (and of record_stream's streams) completes: the
 /// simulated device flags a release under queued work.
+/// With `cross_stream_wait` (the default) the retry below needs no host wait: stream 2 waits
+/// for stream 1 on the device instead; both ways, nothing races.
 #[test]
 fn waits_before_release_cover_the_allocators_streams_only() {
-    let (dev, a) = setup_async(64 * MIB, Config::default());
+    for wait in [false, true] {
+        waits_before_release(wait);
+    }
+}
+
+fn waits_before_release(cross_stream_wait: bool) {
+    let config = Config {
+        cross_stream_wait,
+        ..Config::default()
+    };
+    let (dev, a) = setup_async(64 * MIB, config);
     // A long kernel on stream 9 on memory that stays live.
     let busy = a.allocate(4 * MIB, 9).unwrap();
     dev.fill(busy, 4 * MIB, 1, 9).unwrap();
@@ -177,8 +189,22 @@ fn waits_before_release_cover_the_allocators_streams_only() {
     dev.fill(r, 40 * MIB, 4, 1).unwrap();
     a.free(r).unwrap();
     let s0 = a.stats().num_sync_all_streams;
+    let w0 = a.stats().driver_calls.stream_wait;
     let t = a.allocate(56 * MIB, 2).unwrap();
-    assert!(a.stats().num_sync_all_streams > s0);
+    dev.fill(t, 56 * MIB, 5, 2).unwrap();
+    assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
+    if cross_stream_wait {
+        assert_eq!(a.stats().num_sync_all_streams, s0, "the host waited");
+        assert!(
+            a.stats().driver_calls.stream_wait > w0,
+            "no device-side wait"
+        );
+    } else {
+        assert!(a.stats().num_sync_all_streams > s0);
+    }
+    // Stream 2's own write (after stream 1's work, which it waited for, on the device or
+    // through the host) runs; stream 9's kernel is still queued.
+    dev.complete_stream(2);
     assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
     assert_eq!(dev.queued_ops(), 1, "stream 9 was not waited for");
     a.verify().unwrap();

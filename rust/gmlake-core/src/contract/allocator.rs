@@ -1172,8 +1172,14 @@ fn record_stream_delays_reuse<T: Target>(t: &T) -> CaseResult {
 }
 
 fn cross_stream_fence<T: Target>(t: &T) -> CaseResult {
+    // The fences alone, with no device-side waits (`cross_stream_wait` off; the case below
+    // has them).
+    let fences_only = || Config {
+        cross_stream_wait: false,
+        ..Config::default()
+    };
     // Stream 1 frees 40 MiB; stream 2 needs 40 MiB with room for 60 MiB.
-    let a = setup2(t, 60 * MIB, Config::default())?;
+    let a = setup2(t, 60 * MIB, fences_only())?;
     let p = a.allocate(40 * MIB, 1).step("allocate")?;
     a.free(p).step("free")?;
     // While stream 1's work may be in flight its pages cannot move: the allocator must
@@ -1190,7 +1196,7 @@ fn cross_stream_fence<T: Target>(t: &T) -> CaseResult {
     verify(&a)?;
 
     // With room to spare, a pending fence means new memory rather than a wait.
-    let a = setup2(t, 1 << 30, Config::default())?;
+    let a = setup2(t, 1 << 30, fences_only())?;
     let p = a.allocate(40 * MIB, 1).step("allocate")?;
     a.free(p).step("free")?;
     a.allocate(40 * MIB, 2).step("allocate")?;
@@ -1217,7 +1223,7 @@ fn cross_stream_wait<T: Target>(t: &T) -> CaseResult {
     // but with `cross_stream_wait`: stream 2 waits on the device for stream 1 and takes its
     // pages, with no new memory and no host synchronisation.
     let config = Config {
-        cross_stream_wait: true,
+        cross_stream_wait: true, // the default, said here because the case is about it
         ..Config::default()
     };
     let a = setup2(t, 1 << 30, config)?;
@@ -1248,9 +1254,11 @@ fn cross_stream_wait<T: Target>(t: &T) -> CaseResult {
 }
 
 fn retired_mappings_wait<T: Target>(t: &T) -> CaseResult {
-    // max_aliases 0: old mappings of stitched pages are not kept, only retired.
+    // max_aliases 0: old mappings of stitched pages are not kept, only retired. No
+    // cross-stream waits: the slow path below must stitch nothing.
     let config = Config {
         max_aliases: 0.0,
+        cross_stream_wait: false,
         ..Config::default()
     };
     let a = setup2(t, 1 << 30, config)?;
