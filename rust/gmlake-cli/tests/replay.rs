@@ -571,6 +571,21 @@ fn replay_predicts_the_gpu_for_the_two_rank_fsdp2_job() {
     replay_predicts_the_gpu("fsdp2-2rank-rank0");
 }
 
+/// The same job keeps every alias it makes (a 2.5 GiB job under the 128 GiB floor of kept
+/// aliases): none is evicted and stitched again, so its second half makes half the
+/// driver calls it made with the floor at 8 GiB (8,891 against 18,707 on this trace, where
+/// 7,821 aliases were evicted).
+#[test]
+fn a_small_job_with_varying_shapes_keeps_its_aliases() {
+    let row = replay_row("fsdp2-2rank-rank0.pickle.gz", &["--windows", "2"]);
+    let windows = row["driver_calls_windows"].as_array().unwrap();
+    for w in windows {
+        assert_eq!(w["alias_evictions"].as_u64(), Some(0), "{w}");
+    }
+    let second = windows[1]["total"].as_u64().unwrap();
+    assert!(second < 12_000, "{second} driver calls in the second half");
+}
+
 /// The same job's driver calls: the replay makes each waiting free at its request and lets
 /// its pages be reused from its completion (as the GPU's events do), so it counts the event
 /// calls and re-stitches the GPU made: within 15% of the GPU's total (10% on 2026-11-25),

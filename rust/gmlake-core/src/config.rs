@@ -58,11 +58,17 @@ pub struct Config {
     /// `limit`: cap reserved memory at this many bytes.
     pub limit_bytes: Option<u64>,
     /// `max_aliases`: how many old mappings of stitched pages are kept for reuse, as a
-    /// multiple of the pages held (at least 8 GiB worth of pages when not 0). Kept mappings
+    /// multiple of the pages held (at least `alias_floor` worth of pages when not 0). Kept mappings
     /// cost virtual addresses only, and let a periodic job reuse last step's stitched ranges
     /// with no driver call; beyond the bound the oldest are unmapped. 0 unmaps every old
     /// mapping once its stream is done with it.
     pub max_aliases: f64,
+    /// `alias_floor`: kept aliases a job may always have, in bytes of pages, whatever
+    /// `max_aliases` allows in proportion to its size (default 128 GiB). An alias costs
+    /// virtual addresses and a page-table entry, not memory; small jobs whose shapes vary
+    /// stitch a window for most sizes they meet, and evicting those aliases made them stitch
+    /// the same windows again at every step.
+    pub alias_floor: u64,
     /// `roundup_power2_divisions` (PyTorch's key and syntax): requests are rounded up to the
     /// next of N equal divisions of their power-of-two interval instead of to 512 bytes. One
     /// entry per interval, [1 MiB, 2 MiB) first and [32 GiB, ...) last (sizes below 1 MiB use
@@ -104,6 +110,7 @@ impl Default for Config {
             memory_fraction: None,
             limit_bytes: None,
             max_aliases: 4.0,
+            alias_floor: 128 << 30,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             debug: crate::debug::DebugConfig::default(),
             util_target: None,
@@ -125,6 +132,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "memory_fraction",
     "limit",
     "max_aliases",
+    "alias_floor",
     "roundup_power2_divisions",
     "debug",
     "debug_quarantine",
@@ -417,6 +425,7 @@ impl Config {
             "roundup_power2_divisions" | "roundup" => {
                 self.roundup_power2_divisions = parse_roundup(key, value)?;
             }
+            "alias_floor" | "aliasfloor" => self.alias_floor = size(key)?,
             "limit" | "limit_bytes" => {
                 let l = size(key)?;
                 self.limit_bytes = if l == 0 { None } else { Some(l) };
@@ -493,6 +502,7 @@ impl Config {
             ("page_size", self.page_size.to_string()),
             ("small_size", self.small_size.to_string()),
             ("max_aliases", self.max_aliases.to_string()),
+            ("alias_floor", self.alias_floor.to_string()),
             (
                 "util_target",
                 self.util_target
@@ -600,6 +610,11 @@ mod tests {
         assert_eq!(c.util_target, Some(0.95));
         c.set("util_target", "off").unwrap();
         assert_eq!(c.util_target, None);
+        assert_eq!(c.alias_floor, 128 << 30);
+        c.set("alias_floor", "1GiB").unwrap();
+        assert_eq!(c.alias_floor, 1 << 30);
+        let e = c.set("alias_floor", "lots").unwrap_err();
+        assert!(e.to_string().contains("alias_floor"), "{e}");
         assert!(c.cross_stream_wait, "on by default");
         c.set("cross_stream_wait", "0").unwrap();
         assert!(!c.cross_stream_wait);

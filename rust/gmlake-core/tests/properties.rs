@@ -58,6 +58,9 @@ fn config() -> impl Strategy<Value = Config> {
                 frag_limit: if small_frag { 4 << 20 } else { 0 },
                 // No kept aliases, the default, and a bound small enough to evict often.
                 max_aliases: [0.0, 4.0, 0.01][aliases],
+                // A floor below the device's size, so that the bounds above evict (the default
+                // floor, 128 GiB, is far above this 96 MiB device).
+                alias_floor: 8 * PAGE,
                 // Stitch first (the default), or create first within a utilization budget.
                 util_target: [None, Some(0.9), Some(0.5)][target],
                 // Take another stream's pending pages by waiting for it on the device.
@@ -214,10 +217,28 @@ fn long_sequence_reuses_and_replaces_aliases() {
             _ => Op::Complete,
         });
     }
+    // Twice: with the default bound on kept aliases (never reached on this 96 MiB device),
+    // and with one small enough to evict the oldest often.
+    for (max_aliases, alias_floor) in [(4.0, Config::default().alias_floor), (0.5, 4 * PAGE)] {
+        let config = Config {
+            max_aliases,
+            alias_floor,
+            ..Config::default()
+        };
+        let s = run_reuse_ops(&ops, config);
+        assert!(s.stitch_reuses > 0 && s.pages_reused > 0, "{s:?}");
+        assert!(s.aliases_replaced > 0, "{s:?}");
+        if max_aliases < 1.0 {
+            assert!(s.alias_evictions > 0, "{s:?}");
+        }
+    }
+}
+
+fn run_reuse_ops(ops: &[Op], config: Config) -> gmlake_core::DeviceStats {
     let dev = Arc::new(SimDevice::new(48 * PAGE).asynchronous());
-    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let a = Allocator::new(dev.clone(), config).unwrap();
     let mut live: Vec<(u64, u64)> = Vec::new();
-    for op in ops {
+    for op in ops.iter().cloned() {
         match op {
             Op::Alloc { size, stream } => match a.allocate(size, stream) {
                 Ok(p) => live.push((p, size)),
@@ -234,9 +255,7 @@ fn long_sequence_reuses_and_replaces_aliases() {
         a.verify().unwrap();
         check_live(&dev, &live).unwrap();
     }
-    let s = a.stats();
-    assert!(s.stitch_reuses > 0 && s.pages_reused > 0, "{s:?}");
-    assert!(s.aliases_replaced > 0, "{s:?}");
+    a.stats()
 }
 
 /// bench/latency.cpp's random mixed pattern (sizes log-uniform in 512 B..32 MiB, a random
