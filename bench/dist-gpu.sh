@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# DDP and FSDP2 on two GPUs (tests/gpu/cases/dist_train.py under torchrun), each allocator in
+# its own run, interleaved per job: native, gmlake, native again (the noise). Prints, per rank:
+# utilization, median step time, peak reserved, gmlake's driver calls a step after warm-up,
+# its stream waits and alias evictions, and the last loss (equal across allocators).
+#
+#   bash bench/dist-gpu.sh [path/to/libgmlake_torch.so]
+#
+# Knobs: STEPS (default 200), MODES (default "fsdp ddp"), GMLAKE_CONF (gmlake's configuration,
+# passed through), CONFS ("conf1;conf2": several gmlake runs per job, one per configuration,
+# in place of one with GMLAKE_CONF). Writes under ${OUT:-bench/out/dist}: one JSON per run and
+# rank, the runs' logs, times.txt and summary.txt. NCCL's NVLink multicast stays off.
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export GMLAKE_DIST_STEPS=${STEPS:-200} PYTHONPATH=$PWD/python
+export GMLAKE_LIBRARY=${1:-${GMLAKE_LIBRARY:-$PWD/.artifacts/gpu/libgmlake_torch.so}}
+OUT=${OUT:-bench/out/dist}
+mkdir -p "$OUT"
+: >"$OUT/times.txt"
+run() { # mode name gmlake? [conf]
+  local mode=$1 name=$2 t0=$SECONDS
+  local extra=()
+  [ "$3" = 1 ] && extra=(-m gmlake --quiet)
+  GMLAKE_CONF="${4:-${GMLAKE_CONF:-}}" GMLAKE_DIST_RUN="-$name" timeout 600 python3 -m torch.distributed.run \
+    --standalone --nproc-per-node 2 "${extra[@]}" tests/gpu/cases/dist_train.py "$mode" "$OUT" \
+    >"$OUT/$mode-$name.log" 2>&1
+  echo "$mode $name rc=$? $((SECONDS - t0)) s" >>"$OUT/times.txt"
+}
+for mode in ${MODES:-fsdp ddp}; do
+  run "$mode" native 0
+  if [ -n "${CONFS:-}" ]; then
+    IFS=';' read -ra confs <<<"$CONFS"
+    i=0
+    for c in "${confs[@]}"; do run "$mode" "g$i" 1 "$c"; i=$((i + 1)); done
+  else
+    run "$mode" g 1
+  fi
+  run "$mode" native2 0
+done
+python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-rank*.json"))):
+    d = json.load(open(f))
+    w = d.get("after_warmup_per_step") or {}
+    calls = {k.replace("gmlake.driver_calls.", "").replace("gmlake.", ""): round(v, 1)
+             for k, v in w.items() if k in ("gmlake.driver_calls", "gmlake.driver_calls.map",
+                                            "gmlake.driver_calls.unmap", "gmlake.driver_calls.set_access",
+                                            "gmlake.driver_calls.create_physical", "gmlake.driver_calls.stream_wait")}
+    print(os.path.basename(f), "util %.4f" % d["utilization"], "step %.1f ms" % d["median_step_ms"],
+          "peak reserved %d" % d["peak_reserved"], "calls/step %s" % (calls or "-"),
+          "waits", d.get("gmlake.driver_calls.stream_wait", "-"),
+          "evictions", d.get("gmlake.alias_evictions", "-"), "loss", d["losses"][-1])
+PY
+cat "$OUT/times.txt"
