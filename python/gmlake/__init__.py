@@ -392,7 +392,10 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.debug_quarantine_blocks``, ``gmlake.debug_quarantine_bytes``,
     ``gmlake.debug_canary_errors``, ``gmlake.debug_pages`` (0 when it is off),
     ``gmlake.initialized`` (0 until the device's first allocation, all counters then zero),
-    ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>``,
+    ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>`` (``stream_wait``: the
+    device-side waits of ``cross_stream_wait``), ``gmlake.stream_waits_failed`` (waits the
+    device refused), ``gmlake.pages_created_unfenced`` (pages created while another stream's
+    freed pages were still in use by its queued work), ``gmlake.alias_evictions``,
     ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``. (No device free memory: reading it can
     wait for the GPU; use ``torch.cuda.mem_get_info()``.)
     Raises ``RuntimeError`` if gmlake is not installed."""

@@ -368,3 +368,33 @@ fn debug_mode_through_the_bridge() {
     );
     assert_eq!(get("debug_quarantine").as_deref(), Some("256"));
 }
+
+/// The bridge's own device stack (the capture-aware decorator over the device, as in a
+/// PyTorch process) makes `cross_stream_wait` work: a miss on stream 2 that needs what stream 1
+/// freed while stream 1's work is still queued waits for it on the device and takes its
+/// pages, instead of creating memory. (The decorator once swallowed the call: every wait
+/// failed on GPUs, and only this composition shows it without one.)
+#[test]
+fn cross_stream_waits_reach_the_device_through_the_bridge() {
+    let run = |conf: &str| {
+        let dev = SimDevice::new(GIB).pending_from(1);
+        let a = backend::make_alloc(dev, config_from(conf).unwrap()).unwrap();
+        let p = a.allocate(40 * MIB, 1).unwrap();
+        a.free(p).unwrap();
+        let before = a.reserved_bytes();
+        a.allocate(40 * MIB, 2).unwrap();
+        let s = a.stats();
+        (
+            a.reserved_bytes() - before,
+            s.driver_calls.stream_wait,
+            s.stream_waits_failed,
+        )
+    };
+    assert_eq!(
+        run(""),
+        (0, 1, 0),
+        "the default waits and takes stream 1's pages"
+    );
+    let (grown, waits, _) = run("cross_stream_wait:0");
+    assert_eq!((grown, waits), (40 * MIB, 0), "without it, new memory");
+}
