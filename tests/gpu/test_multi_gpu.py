@@ -149,6 +149,10 @@ def test_training_matches_native_in_every_rank(mode, tmp_path):
     def diff(a, b):
         return max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))
 
+    def sampled_peaks(run):
+        # Peak reserved after warm-up's 10 steps, at the middle and at the end.
+        return [run["peak_reserved_by_step"][i] for i in (9, steps // 2, steps - 1) if i < steps]
+
     rows = []
     for r in range(2):
         nat = json.loads((tmp_path / f"{mode}-native-rank{r}.json").read_text())
@@ -168,13 +172,8 @@ def test_training_matches_native_in_every_rank(mode, tmp_path):
                          gmlake_after_warmup_per_step=gml.get("after_warmup_per_step"),
                          gmlake_stream_waits=gml.get("gmlake.driver_calls.stream_wait"),
                          gmlake_retries=gml.get("num_alloc_retries"),
-                         # Peak reserved after warm-up's 10 steps, at the middle and at the end.
-                         gmlake_peak_reserved_steps=[gml["peak_reserved_by_step"][i]
-                                                     for i in (9, steps // 2, steps - 1)
-                                                     if i < steps],
-                         native_peak_reserved_steps=[nat["peak_reserved_by_step"][i]
-                                                     for i in (9, steps // 2, steps - 1)
-                                                     if i < steps]))
+                         gmlake_peak_reserved_steps=sampled_peaks(gml),
+                         native_peak_reserved_steps=sampled_peaks(nat)))
     write_out(f"dist_{mode}.json", rows)
     if trace and OUT is not None:
         for r in range(2):

@@ -97,6 +97,15 @@ impl<D: Device> CaptureAware<D> {
     }
 }
 
+/// The error of a call that is illegal while a capture (or a pool routing) is underway.
+fn refused_in_capture(call: &'static str) -> DeviceError {
+    DeviceError::Driver {
+        call,
+        code: 900,
+        message: "not permitted while a CUDA graph capture (or a pool routing) is underway".into(),
+    }
+}
+
 impl<D: Device> Device for CaptureAware<D> {
     fn granularity(&self) -> DeviceResult<usize> {
         self.inner.granularity()
@@ -172,23 +181,13 @@ impl<D: Device> Device for CaptureAware<D> {
         // none), an older point than the caller asked for. The allocator takes no cross-stream
         // wait during a capture anyway; refusing keeps that true below it.
         if self.captures.load(Ordering::Acquire) != 0 || self.is_deferred(event) {
-            return Err(DeviceError::Driver {
-                call: "cuStreamWaitEvent",
-                code: 900,
-                message: "not permitted while a CUDA graph capture (or a pool routing) is underway"
-                    .into(),
-            });
+            return Err(refused_in_capture("cuStreamWaitEvent"));
         }
         self.inner.stream_wait_event(stream, event)
     }
     fn synchronize(&self) -> DeviceResult<()> {
         if self.captures.load(Ordering::Acquire) != 0 {
-            return Err(DeviceError::Driver {
-                call: "cuCtxSynchronize",
-                code: 900,
-                message: "not permitted while a CUDA graph capture (or a pool routing) is underway"
-                    .into(),
-            });
+            return Err(refused_in_capture("cuCtxSynchronize"));
         }
         self.inner.synchronize()
     }
@@ -196,12 +195,7 @@ impl<D: Device> Device for CaptureAware<D> {
         // A deferred event is not recorded until the capture ends: waiting for it now would
         // never end (and cuEventSynchronize is as illegal as cuCtxSynchronize meanwhile).
         if self.captures.load(Ordering::Acquire) != 0 || self.is_deferred(event) {
-            return Err(DeviceError::Driver {
-                call: "cuEventSynchronize",
-                code: 900,
-                message: "not permitted while a CUDA graph capture (or a pool routing) is underway"
-                    .into(),
-            });
+            return Err(refused_in_capture("cuEventSynchronize"));
         }
         self.inner.wait_event(event)
     }

@@ -220,14 +220,8 @@ impl State {
     /// things as they were: the miss creates memory instead.
     fn wait_for_streams<D: Device>(&mut self, dev: &D, stream: StreamId) -> Result<()> {
         let mut others: Vec<StreamId> = self
-            .arenas
-            .iter()
-            .filter(|a| {
-                a.key.stream != stream
-                    && a.stealable_pages > 0
-                    && self.pool_may_give(a)
-                    && !self.may_give(a, stream)
-            })
+            .unfenced_arenas(stream)
+            .filter(|a| a.stealable_pages > 0)
             .map(|a| a.key.stream)
             .collect();
         others.sort_unstable();
@@ -254,15 +248,19 @@ impl State {
         Ok(())
     }
 
-    /// Takeable pages of other streams' free blocks that arena `aid` may not take yet (their
-    /// fences pending). For statistics; O(arenas).
+    /// Arenas of other streams whose free pages `stream` may not take yet: their fences are
+    /// pending and `stream` has not waited for them since their last free.
+    fn unfenced_arenas(&self, stream: StreamId) -> impl Iterator<Item = &Arena> + '_ {
+        self.arenas.iter().filter(move |a| {
+            a.key.stream != stream && self.pool_may_give(a) && !self.may_give(a, stream)
+        })
+    }
+
+    /// Takeable pages of other streams' free blocks that arena `aid` may not take yet. For
+    /// statistics; O(arenas).
     fn unfenced_pages(&self, aid: u32) -> u64 {
         let stream = self.arenas[aid as usize].key.stream;
-        self.arenas
-            .iter()
-            .filter(|a| {
-                a.key.stream != stream && self.pool_may_give(a) && !self.may_give(a, stream)
-            })
+        self.unfenced_arenas(stream)
             .map(|a| a.stealable_pages)
             .sum()
     }

@@ -404,17 +404,14 @@ CUresult cuEventRecord(void *ev, void *stream) {
     e->recorded_at = __atomic_load_n(&syncs, __ATOMIC_SEQ_CST);
     return OK;
 }
-static long stream_waits;
-/* The mock runs nothing, so there is nothing to order: the wait is checked and counted. */
+/* The mock runs nothing, so there is nothing to order: the wait's arguments are checked. */
 CUresult cuStreamWaitEvent(void *stream, void *ev, unsigned int flags) {
     Event *e = ev;
     if (!has_ctx()) return INVALID_CONTEXT;
     if (!e || e->magic != EVENT_MAGIC) return INVALID_VALUE;
     if (!valid_stream(stream) || flags != 0) return INVALID_VALUE;
-    __atomic_add_fetch(&stream_waits, 1, __ATOMIC_SEQ_CST);
     return OK;
 }
-long mock_stream_waits(void) { return __atomic_load_n(&stream_waits, __ATOMIC_SEQ_CST); }
 CUresult cuEventQuery(void *ev) {
     Event *e = ev;
     if (!has_ctx()) return INVALID_CONTEXT;
