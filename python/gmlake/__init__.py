@@ -395,7 +395,9 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>`` (``stream_wait``: the
     device-side waits of ``cross_stream_wait``), ``gmlake.stream_waits_failed`` (waits the
     device refused), ``gmlake.pages_created_unfenced`` (pages created while another stream's
-    freed pages were still in use by its queued work), ``gmlake.alias_evictions``,
+    freed pages were still in use by its queued work), ``gmlake.reuses_unfenced`` (kept
+    windows not taken because the stream had not yet finished the work queued before their
+    addresses were freed), ``gmlake.alias_evictions``,
     ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``. (No device free memory: reading it can
     wait for the GPU; use ``torch.cuda.mem_get_info()``.)
     Raises ``RuntimeError`` if gmlake is not installed."""

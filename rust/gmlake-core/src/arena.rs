@@ -40,7 +40,9 @@ pub(crate) enum BlockState {
     },
     /// Pages given to a stitch elsewhere, still mapped here (aliases, in `lent`): the range
     /// becomes usable again with no driver call once its pages are free where they are
-    /// active (a *reuse* of this mapping). `since` orders lendings, for eviction.
+    /// active (a *reuse* of this mapping). `since`: the latest free of what these
+    /// addresses held before they were lent (work queued up to then may still use them, so
+    /// unmapping them waits for it); it also orders lent blocks for eviction.
     Lent {
         since: u64,
     },
@@ -57,7 +59,8 @@ pub(crate) enum BlockState {
 /// What pages taken from a free mapped block become.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Take {
-    /// `Lent` (still mapped here, reusable later with no driver call), stamped `now`.
+    /// `Lent` (still mapped here, reusable later with no driver call), stamped with the
+    /// block's last free (at most this `now`).
     Lend(u64),
     /// `Retired`: the caller unmaps them once its event completes, then calls `unretire`.
     Retire,
@@ -627,7 +630,9 @@ impl Arena {
                 for (i, &h) in handles.iter().enumerate() {
                     self.lent.insert(s_start + i as u64 * self.page, h);
                 }
-                self.insert_lent(s_start, s_end - s_start, now, b.chunk);
+                // Stamped with the block's last free, not the lending: work queued before
+                // that free is all that may still use these addresses.
+                self.insert_lent(s_start, s_end - s_start, freed.min(now), b.chunk);
             }
         }
         self.refresh_ext(s_end);
@@ -1306,8 +1311,10 @@ mod tests {
         );
         assert_eq!(a.lent_pages(), 2);
         assert_eq!(a.stealable_pages, 2);
-        assert_eq!(a.oldest_lent(), Some((5, f + 2 * P, 2)));
-        assert_eq!(a.lent_since(f + 3 * P), Some(5));
+        // Stamped with the block's free (2), not the lending (5): only work queued before
+        // the free may still use these addresses.
+        assert_eq!(a.oldest_lent(), Some((2, f + 2 * P, 2)));
+        assert_eq!(a.lent_since(f + 3 * P), Some(2));
         assert_eq!(a.lent_since(f), None, "free mapped, not lent");
         assert_eq!(a.lent_at(f + 3 * P), Some(h(f + 3 * P)));
         assert_eq!(a.lent_blocks(), vec![(f + 2 * P, 2 * P)]);

@@ -183,6 +183,11 @@ macro_rules! for_device_stats {
                 /// `cross_stream_wait`: device-side waits the device refused (the miss created
                 /// memory instead).
                 stream_waits_failed: u64 = accumulated,
+                /// Kept windows a miss did not take because replacing their busy aliases had
+                /// to wait for work queued on their stream before those addresses were last
+                /// freed (a new range was made instead). The host runs ahead of a GPU, so this
+                /// happens there and not in a replay, whose events complete at once.
+                reuses_unfenced: u64 = accumulated,
                 /// Kept mappings unmapped because there were more than `max_aliases` allowed.
                 alias_evictions: u64 = accumulated,
                 /// Kept aliases unmapped and refilled with another page, to reuse a range whose

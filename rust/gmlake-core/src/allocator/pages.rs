@@ -596,6 +596,7 @@ impl State {
                 .max()
                 .unwrap_or(0);
             if !self.own_stream_done_since(dev, stream, since)? {
+                self.stats.reuses_unfenced += 1;
                 return Ok(false);
             }
         }
