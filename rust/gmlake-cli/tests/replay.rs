@@ -571,6 +571,13 @@ fn replay_predicts_the_gpu_for_the_two_rank_fsdp2_job() {
     replay_predicts_the_gpu("fsdp2-2rank-rank0");
 }
 
+/// DDP on two GPUs (issue 13), 300 steps on two H200s: the replay of rank 0's native trace
+/// predicts the 3.44 GB gmlake reserved on the GPU within 2% (-0.06% on 2026-11-26).
+#[test]
+fn replay_predicts_the_gpu_for_the_two_rank_ddp_job() {
+    replay_predicts_the_gpu("ddp-2rank-rank0");
+}
+
 /// The same job keeps every alias it makes (a 2.5 GiB job under the 128 GiB floor of kept
 /// aliases): none is evicted and stitched again, so its second half makes half the
 /// driver calls it made with the floor at 8 GiB (8,891 against 18,707 on this trace, where
