@@ -634,12 +634,23 @@ impl State {
         self.forget_primaries(&gone);
         self.stats.aliases_replaced += gone.len() as u64;
         let n = r.replace.len() as u64;
-        let Some(pages) = self.acquire_pages(dev, n, aid, size, 0, (r.start, r.start + size))?
+        let Some(mut pages) =
+            self.acquire_pages(dev, n, aid, size, 0, (r.start, r.start + size))?
         else {
             return Ok(false);
         };
-        for (&va, page) in r.replace.iter().zip(pages) {
-            self.map_pages(dev, aid, va, vec![page])?;
+        // Mapped run by run of consecutive addresses, each granted access with one call.
+        let page = self.page;
+        let mut runs: Vec<(u64, usize)> = Vec::new(); // (first page, pages)
+        for &va in &r.replace {
+            match runs.last_mut() {
+                Some((s, k)) if *s + *k as u64 * page == va => *k += 1,
+                _ => runs.push((va, 1)),
+            }
+        }
+        for (va, k) in runs.into_iter().rev() {
+            let run = pages.split_off(pages.len() - k);
+            self.map_pages(dev, aid, va, run)?;
         }
         Ok(true)
     }
