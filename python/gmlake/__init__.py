@@ -397,7 +397,8 @@ def stats(device=None) -> Dict[str, Any]:
     device refused), ``gmlake.pages_created_unfenced`` (pages created while another stream's
     freed pages were still in use by its queued work), ``gmlake.reuses_unfenced`` (kept
     windows not taken because the stream had not yet finished the work queued before their
-    addresses were freed), ``gmlake.alias_evictions``,
+    addresses were freed), ``gmlake.reuses_awaited`` (such windows taken after waiting for
+    that work, up to a millisecond), ``gmlake.alias_evictions``,
     ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``. (No device free memory: reading it can
     wait for the GPU; use ``torch.cuda.mem_get_info()``.)
     Raises ``RuntimeError`` if gmlake is not installed."""

@@ -188,6 +188,9 @@ macro_rules! for_device_stats {
                 /// freed (a new range was made instead). The host runs ahead of a GPU, so this
                 /// happens there and not in a replay, whose events complete at once.
                 reuses_unfenced: u64 = accumulated,
+                /// Kept windows taken after polling that work's fence for a while (at most a
+                /// millisecond): it completed meanwhile.
+                reuses_awaited: u64 = accumulated,
                 /// Kept mappings unmapped because there were more than `max_aliases` allowed.
                 alias_evictions: u64 = accumulated,
                 /// Kept aliases unmapped and refilled with another page, to reuse a range whose

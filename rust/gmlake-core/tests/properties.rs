@@ -185,11 +185,9 @@ fn cases() -> u32 {
         .unwrap_or(500)
 }
 
-/// A long seeded sequence of the same operations, checked after every step, that must
-/// exercise the paths random short sequences reach only sometimes: reusing kept mappings
-/// with no driver call, and replacing busy aliases.
-#[test]
-fn long_sequence_reuses_and_replaces_aliases() {
+/// The seeded operations of the long sequences below: one stream, sizes of up to 48 MiB on a
+/// 96 MiB device, events completing only at `Op::Complete`.
+fn long_sequence() -> Vec<Op> {
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
         seed ^= seed << 13;
@@ -217,6 +215,56 @@ fn long_sequence_reuses_and_replaces_aliases() {
             _ => Op::Complete,
         });
     }
+    ops
+}
+
+/// The same sequence while another thread completes the device's work every 100 µs, as a GPU
+/// catching up with the host: a miss whose kept window waits for its stream's fence polls it
+/// and takes the window once it completes, instead of making a new range.
+#[test]
+fn a_kept_window_waits_briefly_for_its_fence() {
+    let ops = long_sequence();
+    let dev = Arc::new(SimDevice::new(48 * PAGE).asynchronous());
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let completer = {
+        let (dev, stop) = (dev.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+                dev.complete_all();
+            }
+        })
+    };
+    let mut live: Vec<(u64, u64)> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Alloc { size, stream } => match a.allocate(size, stream) {
+                Ok(p) => live.push((p, size)),
+                Err(Error::OutOfMemory(_)) => {}
+                Err(e) => panic!("alloc failed: {e}"),
+            },
+            Op::Free(i) if !live.is_empty() => {
+                let (p, _) = live.swap_remove(i % live.len());
+                a.free(p).unwrap();
+            }
+            _ => {}
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    completer.join().unwrap();
+    a.verify().unwrap();
+    check_live(&dev, &live).unwrap();
+    let s = a.stats();
+    assert!(s.reuses_awaited > 0, "{s:?}");
+}
+
+/// A long seeded sequence of the same operations, checked after every step, that must
+/// exercise the paths random short sequences reach only sometimes: reusing kept mappings
+/// with no driver call, and replacing busy aliases.
+#[test]
+fn long_sequence_reuses_and_replaces_aliases() {
+    let ops = long_sequence();
     // Twice: with the default bound on kept aliases (never reached on this 96 MiB device),
     // and with one small enough to evict the oldest often.
     for (max_aliases, alias_floor) in [(4.0, Config::default().alias_floor), (0.5, 4 * PAGE)] {

@@ -35,6 +35,14 @@ pub(super) struct Reuse {
     pub replace: Vec<u64>,
 }
 
+/// How long a miss polls its stream's pending fence before it gives up a kept window whose
+/// busy aliases that fence protects. The host runs ahead of the GPU, so the fence recorded
+/// at the miss is usually pending; the window's alternative, a new range, maps every page
+/// of it (about 150 µs a page on a busy H100) and lays memory out differently from then on
+/// (on the concatenation job one such refusal cost 2% of its peak). The bound keeps a
+/// stream that is far behind from stalling the host.
+pub(super) const REUSE_FENCE_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Lent pages a miss examines at most when looking for a range to reuse: bounds the cost of
 /// a miss when many aliases are kept and few are free (random lifetimes); periodic jobs
 /// find their ranges well within it. A scan that runs out resumes, at the next miss, where
@@ -595,7 +603,9 @@ impl State {
                 .filter_map(|&va| self.arenas[aid as usize].lent_since(va))
                 .max()
                 .unwrap_or(0);
-            if !self.own_stream_done_since(dev, stream, since)? {
+            if !self.own_stream_done_since(dev, stream, since)?
+                && !self.await_own_fence(dev, stream, since)?
+            {
                 self.stats.reuses_unfenced += 1;
                 return Ok(false);
             }

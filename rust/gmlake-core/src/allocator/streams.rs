@@ -260,6 +260,38 @@ impl State {
 
     /// Whether all work queued on `stream` up to stamp `since` has completed, by the
     /// stream's own fence (recorded now if none is pending, and queried).
+    /// After `own_stream_done_since` said no: polls `stream`'s pending fence, if it covers
+    /// `since`, for at most `REUSE_FENCE_WAIT` (yielding the thread between polls). True if
+    /// it completed; counted in `reuses_awaited`.
+    pub(super) fn await_own_fence<D: Device>(
+        &mut self,
+        dev: &D,
+        stream: StreamId,
+        since: u64,
+    ) -> Result<bool> {
+        let Some((e, stamp)) = self.fences.get(&stream).and_then(|f| f.pending) else {
+            return Ok(false);
+        };
+        if stamp < since || self.captures > 0 {
+            return Ok(false);
+        }
+        let deadline = std::time::Instant::now() + super::pages::REUSE_FENCE_WAIT;
+        loop {
+            std::thread::yield_now();
+            if drv!(self, query_event, dev.query_event(e))? {
+                let f = self.fences.entry(stream).or_default();
+                f.completed = f.completed.max(stamp);
+                f.pending = None;
+                self.event_pool.push(e);
+                self.stats.reuses_awaited += 1;
+                return Ok(true);
+            }
+            if std::time::Instant::now() >= deadline {
+                return Ok(false);
+            }
+        }
+    }
+
     pub(super) fn own_stream_done_since<D: Device>(
         &mut self,
         dev: &D,
