@@ -578,6 +578,18 @@ fn replay_predicts_the_gpu_for_the_two_rank_ddp_job() {
     replay_predicts_the_gpu("ddp-2rank-rank0");
 }
 
+/// Caches grown by concatenation on one H100 (issue 13): the replay predicts gmlake's peak to
+/// the byte once a miss polls its stream's fence before giving up a kept window (the GPU was
+/// 2% higher when one refusal in 296,024 allocations stitched a new range instead), and its
+/// utilization is above expandable segments' on the same job (0.917 against 0.896; issue
+/// 13's bar for this job, 0.95, is not met).
+#[test]
+fn replay_predicts_the_gpu_for_the_concatenation_job() {
+    let (util, gpu) = replay_matches_the_gpu("concat-cache");
+    let expandable = gpu["runs"]["expandable"]["utilization"].as_f64().unwrap();
+    assert!(util > expandable, "utilization {util}, expandable {expandable}");
+}
+
 /// The same job keeps every alias it makes (a 2.5 GiB job under the 128 GiB floor of kept
 /// aliases): none is evicted and stitched again, so its second half makes half the
 /// driver calls it made with the floor at 8 GiB (8,891 against 18,707 on this trace, where
@@ -637,6 +649,14 @@ fn replay_predicts_the_gpu_driver_calls_of_the_zero3_job() {
 /// the same run (`NAME.gpu.json`), native's segments exactly native's peak there, and
 /// utilization at least 0.97.
 fn replay_predicts_the_gpu(name: &str) {
+    let (util, _) = replay_matches_the_gpu(name);
+    assert!(util >= 0.97, "{name}: utilization {util}");
+}
+
+/// The replay of `name`'s native trace against its GPU figures (`name.gpu.json`): gmlake's
+/// peak reserved within 2%, native's exactly. Returns the replay's utilization and the GPU
+/// figures.
+fn replay_matches_the_gpu(name: &str) -> (f64, Value) {
     let gpu: Value = serde_json::from_str(
         &std::fs::read_to_string(trace(&format!("{name}.gpu.json"))).expect("GPU figures bundled"),
     )
@@ -667,8 +687,7 @@ fn replay_predicts_the_gpu(name: &str) {
         gpu_reserved("native"),
         "{name}: native segments in the trace"
     );
-    let util = row["utilization"].as_f64().unwrap();
-    assert!(util >= 0.97, "{name}: utilization {util}");
+    (row["utilization"].as_f64().unwrap(), gpu)
 }
 
 /// `--windows N`: the driver calls of N windows of equal event counts, which add up to the
