@@ -587,7 +587,10 @@ fn replay_predicts_the_gpu_for_the_two_rank_ddp_job() {
 fn replay_predicts_the_gpu_for_the_concatenation_job() {
     let (util, gpu) = replay_matches_the_gpu("concat-cache");
     let expandable = gpu["runs"]["expandable"]["utilization"].as_f64().unwrap();
-    assert!(util > expandable, "utilization {util}, expandable {expandable}");
+    assert!(
+        util > expandable,
+        "utilization {util}, expandable {expandable}"
+    );
 }
 
 /// The same job keeps every alias it makes (a 2.5 GiB job under the 128 GiB floor of kept
