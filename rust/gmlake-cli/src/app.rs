@@ -4,7 +4,7 @@ use crate::cli::ReplayArgs;
 use crate::plot::{self, Panel, SERIES_POINTS};
 use crate::progress::Progress;
 use crate::replay::{replay, Backend, Measures, OursSummary, ReplayOptions, SimBackend, TraceOnly};
-use crate::report::{self, Row};
+use crate::report::{self, PageSizeTrial, Row};
 use crate::series::Series;
 use crate::trace::{read_trace, DeviceTrace};
 use std::io::Write;
@@ -113,6 +113,17 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
             };
             let mut row = Row::new(name.clone(), dev.device, capacity, &measures, ours.as_ref());
             row.read_seconds = read_seconds;
+            if let (Some(tolerance), Some(_)) = (args.suggest_page_size, &ours) {
+                match page_size_trials(dev, args, &config, capacity, &options, &mut progress) {
+                    Ok((page, trials)) => row.suggest_page_size(page, &trials, tolerance),
+                    Err(e) => {
+                        progress.clear();
+                        eprintln!("gmlake: {name}: --suggest-page-size: {e}");
+                        failed = true;
+                    }
+                }
+                progress.clear();
+            }
             if args.json && writeln!(stdout, "{}", row.to_json_line()).is_err() {
                 // Standard output is gone (e.g. a closed pipe): nothing more can be reported.
                 return EXIT_FAILED;
@@ -160,6 +171,53 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
     } else {
         EXIT_OK
     }
+}
+
+/// `--suggest-page-size`: the replay's page size, and the device replayed again with pages 2,
+/// 4, 8, 16 and 32 times as large (the same options, no windows or series).
+fn page_size_trials(
+    dev: &DeviceTrace,
+    args: &ReplayArgs,
+    config: &gmlake_core::Config,
+    capacity: u64,
+    options: &ReplayOptions,
+    progress: &mut Progress,
+) -> Result<(u64, Vec<PageSizeTrial>), String> {
+    let make = |cfg: gmlake_core::Config| {
+        if args.busy_side_streams {
+            SimBackend::busy_side_streams(capacity, cfg)
+        } else {
+            SimBackend::new(capacity, cfg)
+        }
+        .map_err(|e| format!("cannot create the allocator: {e}"))
+    };
+    let page = make(config.clone())?.page_size();
+    let options = ReplayOptions {
+        windows: 0,
+        series_points: 0,
+        ..*options
+    };
+    let mut trials = Vec::new();
+    for k in [2u64, 4, 8, 16, 32] {
+        let cfg = gmlake_core::Config {
+            page_size: page * k,
+            ..config.clone()
+        };
+        let mut backend = make(cfg)?;
+        progress.replaying(
+            &format!("page_size {}", report::bytes(page * k)),
+            dev.events.len(),
+        );
+        let m = replay_one(dev, &mut backend, &options, progress)?;
+        let ours = backend.summary(m.sampled_peak_reserved_bytes);
+        let row = Row::new(String::new(), dev.device, capacity, &m, Some(&ours));
+        trials.push(PageSizeTrial {
+            page_size: page * k,
+            utilization: row.utilization,
+            driver_ms_busy_second_half: row.driver_ms_busy_second_half,
+        });
+    }
+    Ok((page, trials))
 }
 
 /// Replays one device, updating the progress bar; errors come back as text naming the

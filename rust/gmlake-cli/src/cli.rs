@@ -183,6 +183,25 @@ pub struct ReplayArgs {
     /// line per window), to see which steps of a job still call the driver, and why.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub windows: Option<u16>,
+
+    /// Also replay each device with uniform pages of 2, 4, 8, 16 and 32 times the page size
+    /// and suggest the largest whose utilization stays within TOLERANCE (default 0.01) of the
+    /// replay's own: larger pages mean fewer driver calls (one per page moved), at some
+    /// utilization (JSON: `page_size_suggestion`; table: a note with the setting). A tolerance
+    /// is given as `--suggest-page-size=0.02`.
+    #[arg(long, value_name = "TOLERANCE", num_args = 0..=1, require_equals = true,
+          default_missing_value = "0.01",
+          value_parser = parse_tolerance)]
+    pub suggest_page_size: Option<f64>,
+}
+
+fn parse_tolerance(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(t) if (0.0..1.0).contains(&t) => Ok(t),
+        _ => Err(format!(
+            "expected a utilization tolerance in [0, 1), got {s:?}"
+        )),
+    }
 }
 
 /// One `--set KEY=VALUE`.

@@ -109,6 +109,11 @@ impl SimBackend {
         })
     }
 
+    /// The allocator's page size.
+    pub fn page_size(&self) -> u64 {
+        self.allocator.page_size()
+    }
+
     /// The allocator's counters; `sampled_peak` is the replay's own peak of `reserved_bytes`.
     pub fn summary(&self, sampled_peak: u64) -> OursSummary {
         let stats = self.allocator.stats();

@@ -76,6 +76,59 @@ pub struct Row {
     pub cpu_us_per_event: Option<f64>,
     /// The allocator's configuration.
     pub config: Option<Map<String, Value>>,
+    /// `--suggest-page-size`: the page size suggested (null: keep the replay's own), the
+    /// tolerance, and each larger page size tried with its utilization and estimated driver
+    /// time (busy GPU, second half).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub page_size_suggestion: Option<Map<String, Value>>,
+}
+
+/// One page size tried by `--suggest-page-size`.
+#[derive(Clone, Debug)]
+pub struct PageSizeTrial {
+    pub page_size: u64,
+    pub utilization: Option<f64>,
+    pub driver_ms_busy_second_half: Option<f64>,
+}
+
+impl Row {
+    /// Chooses, among `trials` (larger page sizes than this row's), the largest whose
+    /// utilization is within `tolerance` of this row's and whose estimated driver time is
+    /// lower, and records the choice and the trials.
+    pub fn suggest_page_size(&mut self, page_size: u64, trials: &[PageSizeTrial], tolerance: f64) {
+        let (Some(base), Some(base_ms)) = (self.utilization, self.driver_ms_busy_second_half)
+        else {
+            return;
+        };
+        let chosen = trials
+            .iter()
+            .filter(|t| {
+                t.utilization.is_some_and(|u| u >= base - tolerance)
+                    && t.driver_ms_busy_second_half.is_some_and(|ms| ms < base_ms)
+            })
+            .map(|t| t.page_size)
+            .max();
+        let mut m = Map::new();
+        m.insert("page_size".into(), chosen.map_or(Value::Null, Value::from));
+        m.insert("tolerance".into(), tolerance.into());
+        m.insert("replayed_page_size".into(), page_size.into());
+        m.insert(
+            "tried".into(),
+            Value::Array(
+                trials
+                    .iter()
+                    .map(|t| {
+                        serde_json::json!({
+                            "page_size": t.page_size,
+                            "utilization": t.utilization,
+                            "driver_ms_busy_second_half": t.driver_ms_busy_second_half,
+                        })
+                    })
+                    .collect(),
+            ),
+        );
+        self.page_size_suggestion = Some(m);
+    }
 }
 
 fn ratio(a: u64, b: u64) -> Option<f64> {
@@ -216,6 +269,7 @@ impl Row {
                     .map(|(k, v)| (k.to_string(), Value::String(v.clone())))
                     .collect()
             }),
+            page_size_suggestion: None,
         }
     }
 
@@ -230,6 +284,46 @@ impl Row {
     pub fn notes(&self) -> Vec<String> {
         let at = format!("{} device {}", self.trace, self.device);
         let mut notes = Vec::new();
+        if let Some(s) = &self.page_size_suggestion {
+            let tol = s["tolerance"].as_f64().unwrap_or(0.0);
+            let base = self.utilization.unwrap_or(0.0);
+            let base_ms = self.driver_ms_busy_second_half.unwrap_or(0.0);
+            let tried = s["tried"].as_array().cloned().unwrap_or_default();
+            let list: Vec<String> = tried
+                .iter()
+                .map(|t| {
+                    format!(
+                        "{}: {:.3}, {:.0} ms",
+                        bytes(t["page_size"].as_u64().unwrap_or(0)),
+                        t["utilization"].as_f64().unwrap_or(0.0),
+                        t["driver_ms_busy_second_half"].as_f64().unwrap_or(0.0)
+                    )
+                })
+                .collect();
+            let page = s["replayed_page_size"].as_u64().unwrap_or(0);
+            notes.push(match s["page_size"].as_u64() {
+                Some(p) => format!(
+                    "{at}: page_size={} keeps utilization within {tol} of {:.3} and cuts the \
+                     estimated driver time (busy GPU, second half) from {base_ms:.0} ms: \
+                     GMLAKE_CONF=page_size:{} (tried: {})",
+                    bytes(p),
+                    base,
+                    if p % (1 << 20) == 0 {
+                        format!("{}MiB", p >> 20)
+                    } else {
+                        p.to_string()
+                    },
+                    list.join("; ")
+                ),
+                None => format!(
+                    "{at}: keep page_size={}: no larger page keeps utilization within {tol} of \
+                     {:.3} with less driver time (tried: {})",
+                    bytes(page),
+                    base,
+                    list.join("; ")
+                ),
+            });
+        }
         if self.unknown_frees > 0 {
             notes.push(format!(
                 "{at}: {} {} event(s) of addresses never allocated in the trace were ignored \

@@ -571,6 +571,58 @@ fn replay_predicts_the_gpu_for_the_two_rank_fsdp2_job() {
     replay_predicts_the_gpu("fsdp2-2rank-rank0");
 }
 
+/// `--suggest-page-size`: the largest tried page size whose utilization stays within the
+/// tolerance of the replay's own and whose estimated driver time is lower; a large job (ZeRO-3
+/// LR, 9.8 GB) gets one larger than 2 MiB, a small one (decode, 0.34 GB) keeps 2 MiB unless
+/// the tolerance is loose; a tolerance out of [0, 1) is refused by name.
+#[test]
+fn suggests_a_page_size_from_replays_of_larger_pages() {
+    let chosen = |row: &Value, tol: f64| {
+        let s = &row["page_size_suggestion"];
+        let base = row["utilization"].as_f64().unwrap();
+        let base_ms = row["driver_ms_busy_second_half"].as_f64().unwrap();
+        let tried = s["tried"].as_array().expect("the page sizes tried");
+        assert_eq!(tried.len(), 5, "{s}");
+        let expected = tried
+            .iter()
+            .filter(|t| {
+                t["utilization"].as_f64().unwrap() >= base - tol
+                    && t["driver_ms_busy_second_half"].as_f64().unwrap() < base_ms
+            })
+            .map(|t| t["page_size"].as_u64().unwrap())
+            .max();
+        assert_eq!(s["page_size"].as_u64(), expected, "{s}");
+        expected
+    };
+    let large = replay_row("zero3-lr-rank0.pickle.gz", &["--suggest-page-size"]);
+    assert!(chosen(&large, 0.01).is_some_and(|p| p > 2 << 20), "{large}");
+    let small = replay_row("decode.pickle", &["--suggest-page-size"]);
+    assert_eq!(chosen(&small, 0.01), None, "{small}");
+    let loose = replay_row("decode.pickle", &["--suggest-page-size=0.2"]);
+    assert!(chosen(&loose, 0.2).is_some(), "{loose}");
+    let table = gmlake(&[
+        "replay",
+        "--suggest-page-size",
+        trace("decode.pickle").to_str().unwrap(),
+    ]);
+    assert!(
+        text(&table.stdout).contains("keep page_size=2.0 MiB"),
+        "{}",
+        text(&table.stdout)
+    );
+    let bad = gmlake(&[
+        "replay",
+        "--suggest-page-size=1.5",
+        trace("decode.pickle").to_str().unwrap(),
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        text(&bad.stderr).contains("--suggest-page-size"),
+        "{}",
+        text(&bad.stderr)
+    );
+}
+
 /// DDP on two GPUs (issue 13), 300 steps on two H200s: the replay of rank 0's native trace
 /// predicts the 3.44 GB gmlake reserved on the GPU within 2% (-0.06% on 2026-11-26).
 #[test]
