@@ -238,17 +238,9 @@ fn a_kept_window_waits_briefly_for_its_fence() {
     };
     let mut live: Vec<(u64, u64)> = Vec::new();
     for op in ops {
-        match op {
-            Op::Alloc { size, stream } => match a.allocate(size, stream) {
-                Ok(p) => live.push((p, size)),
-                Err(Error::OutOfMemory(_)) => {}
-                Err(e) => panic!("alloc failed: {e}"),
-            },
-            Op::Free(i) if !live.is_empty() => {
-                let (p, _) = live.swap_remove(i % live.len());
-                a.free(p).unwrap();
-            }
-            _ => {}
+        // The completer thread stands for the device's progress: `Op::Complete` is skipped.
+        if !matches!(op, Op::Complete) {
+            apply_reuse_op(&a, &dev, op, &mut live);
         }
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -284,24 +276,35 @@ fn long_sequence_reuses_and_replaces_aliases() {
     }
 }
 
+/// One operation of the long sequences: allocations (out of memory skipped), frees of a live
+/// block, completion of the device's work; the others do not occur there.
+fn apply_reuse_op(
+    a: &Allocator<Arc<SimDevice>>,
+    dev: &SimDevice,
+    op: Op,
+    live: &mut Vec<(u64, u64)>,
+) {
+    match op {
+        Op::Alloc { size, stream } => match a.allocate(size, stream) {
+            Ok(p) => live.push((p, size)),
+            Err(Error::OutOfMemory(_)) => {}
+            Err(e) => panic!("alloc failed: {e}"),
+        },
+        Op::Free(i) if !live.is_empty() => {
+            let (p, _) = live.swap_remove(i % live.len());
+            a.free(p).unwrap();
+        }
+        Op::Complete => dev.complete_all(),
+        _ => {}
+    }
+}
+
 fn run_reuse_ops(ops: &[Op], config: Config) -> gmlake_core::DeviceStats {
     let dev = Arc::new(SimDevice::new(48 * PAGE).asynchronous());
     let a = Allocator::new(dev.clone(), config).unwrap();
     let mut live: Vec<(u64, u64)> = Vec::new();
     for op in ops.iter().cloned() {
-        match op {
-            Op::Alloc { size, stream } => match a.allocate(size, stream) {
-                Ok(p) => live.push((p, size)),
-                Err(Error::OutOfMemory(_)) => {}
-                Err(e) => panic!("alloc failed: {e}"),
-            },
-            Op::Free(i) if !live.is_empty() => {
-                let (p, _) = live.swap_remove(i % live.len());
-                a.free(p).unwrap();
-            }
-            Op::Complete => dev.complete_all(),
-            _ => {}
-        }
+        apply_reuse_op(&a, &dev, op, &mut live);
         a.verify().unwrap();
         check_live(&dev, &live).unwrap();
     }
