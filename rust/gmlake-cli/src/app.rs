@@ -115,7 +115,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
             row.read_seconds = read_seconds;
             if let (Some(tolerance), Some(_)) = (args.suggest_page_size, &ours) {
                 match page_size_trials(dev, args, &config, capacity, &options, &mut progress) {
-                    Ok((page, trials)) => row.suggest_page_size(page, &trials, tolerance),
+                    Ok((page, trials)) => row.suggest_page_size(page, trials, tolerance),
                     Err(e) => {
                         progress.clear();
                         eprintln!("gmlake: {name}: --suggest-page-size: {e}");

@@ -80,22 +80,38 @@ pub struct Row {
     /// tolerance, and each larger page size tried with its utilization and estimated driver
     /// time (busy GPU, second half).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub page_size_suggestion: Option<Map<String, Value>>,
+    pub page_size_suggestion: Option<PageSizeSuggestion>,
 }
 
 /// One page size tried by `--suggest-page-size`.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize)]
 pub struct PageSizeTrial {
     pub page_size: u64,
     pub utilization: Option<f64>,
     pub driver_ms_busy_second_half: Option<f64>,
 }
 
+/// What `--suggest-page-size` found for one device.
+#[derive(Clone, Debug, Serialize)]
+pub struct PageSizeSuggestion {
+    /// The largest page size tried that kept utilization within `tolerance` of the replay's
+    /// with less driver time; None: keep `replayed_page_size`.
+    pub page_size: Option<u64>,
+    pub tolerance: f64,
+    pub replayed_page_size: u64,
+    pub tried: Vec<PageSizeTrial>,
+}
+
 impl Row {
     /// Chooses, among `trials` (larger page sizes than this row's), the largest whose
     /// utilization is within `tolerance` of this row's and whose estimated driver time is
     /// lower, and records the choice and the trials.
-    pub fn suggest_page_size(&mut self, page_size: u64, trials: &[PageSizeTrial], tolerance: f64) {
+    pub fn suggest_page_size(
+        &mut self,
+        page_size: u64,
+        trials: Vec<PageSizeTrial>,
+        tolerance: f64,
+    ) {
         let (Some(base), Some(base_ms)) = (self.utilization, self.driver_ms_busy_second_half)
         else {
             return;
@@ -108,26 +124,12 @@ impl Row {
             })
             .map(|t| t.page_size)
             .max();
-        let mut m = Map::new();
-        m.insert("page_size".into(), chosen.map_or(Value::Null, Value::from));
-        m.insert("tolerance".into(), tolerance.into());
-        m.insert("replayed_page_size".into(), page_size.into());
-        m.insert(
-            "tried".into(),
-            Value::Array(
-                trials
-                    .iter()
-                    .map(|t| {
-                        serde_json::json!({
-                            "page_size": t.page_size,
-                            "utilization": t.utilization,
-                            "driver_ms_busy_second_half": t.driver_ms_busy_second_half,
-                        })
-                    })
-                    .collect(),
-            ),
-        );
-        self.page_size_suggestion = Some(m);
+        self.page_size_suggestion = Some(PageSizeSuggestion {
+            page_size: chosen,
+            tolerance,
+            replayed_page_size: page_size,
+            tried: trials,
+        });
     }
 }
 
@@ -285,29 +287,26 @@ impl Row {
         let at = format!("{} device {}", self.trace, self.device);
         let mut notes = Vec::new();
         if let Some(s) = &self.page_size_suggestion {
-            let tol = s["tolerance"].as_f64().unwrap_or(0.0);
-            let base = self.utilization.unwrap_or(0.0);
+            let (tol, base) = (s.tolerance, self.utilization.unwrap_or(0.0));
             let base_ms = self.driver_ms_busy_second_half.unwrap_or(0.0);
-            let tried = s["tried"].as_array().cloned().unwrap_or_default();
-            let list: Vec<String> = tried
+            let list: Vec<String> = s
+                .tried
                 .iter()
                 .map(|t| {
                     format!(
                         "{}: {:.3}, {:.0} ms",
-                        bytes(t["page_size"].as_u64().unwrap_or(0)),
-                        t["utilization"].as_f64().unwrap_or(0.0),
-                        t["driver_ms_busy_second_half"].as_f64().unwrap_or(0.0)
+                        bytes(t.page_size),
+                        t.utilization.unwrap_or(0.0),
+                        t.driver_ms_busy_second_half.unwrap_or(0.0)
                     )
                 })
                 .collect();
-            let page = s["replayed_page_size"].as_u64().unwrap_or(0);
-            notes.push(match s["page_size"].as_u64() {
+            notes.push(match s.page_size {
                 Some(p) => format!(
-                    "{at}: page_size={} keeps utilization within {tol} of {:.3} and cuts the \
+                    "{at}: page_size={} keeps utilization within {tol} of {base:.3} and cuts the \
                      estimated driver time (busy GPU, second half) from {base_ms:.0} ms: \
                      GMLAKE_CONF=page_size:{} (tried: {})",
                     bytes(p),
-                    base,
                     if p % (1 << 20) == 0 {
                         format!("{}MiB", p >> 20)
                     } else {
@@ -317,9 +316,8 @@ impl Row {
                 ),
                 None => format!(
                     "{at}: keep page_size={}: no larger page keeps utilization within {tol} of \
-                     {:.3} with less driver time (tried: {})",
-                    bytes(page),
-                    base,
+                     {base:.3} with less driver time (tried: {})",
+                    bytes(s.replayed_page_size),
                     list.join("; ")
                 ),
             });

@@ -258,8 +258,6 @@ impl State {
         self.process_retired(dev, true)
     }
 
-    /// Whether all work queued on `stream` up to stamp `since` has completed, by the
-    /// stream's own fence (recorded now if none is pending, and queried).
     /// After `own_stream_done_since` said no: polls `stream`'s pending fence, if it covers
     /// `since`, for at most `REUSE_FENCE_WAIT` (yielding the thread between polls). True if
     /// it completed; counted in `reuses_awaited`.
@@ -279,10 +277,7 @@ impl State {
         loop {
             std::thread::yield_now();
             if drv!(self, query_event, dev.query_event(e))? {
-                let f = self.fences.entry(stream).or_default();
-                f.completed = f.completed.max(stamp);
-                f.pending = None;
-                self.event_pool.push(e);
+                self.fence_completed(stream, e, stamp);
                 self.stats.reuses_awaited += 1;
                 return Ok(true);
             }
@@ -292,6 +287,17 @@ impl State {
         }
     }
 
+    /// `stream`'s fence event `e`, recorded at `stamp`, has completed: its work up to then is
+    /// done, and the event goes back to the pool.
+    fn fence_completed(&mut self, stream: StreamId, e: EventHandle, stamp: u64) {
+        let f = self.fences.entry(stream).or_default();
+        f.completed = f.completed.max(stamp);
+        f.pending = None;
+        self.event_pool.push(e);
+    }
+
+    /// Whether all work queued on `stream` up to stamp `since` has completed, by the
+    /// stream's own fence (recorded now if none is pending, and queried).
     pub(super) fn own_stream_done_since<D: Device>(
         &mut self,
         dev: &D,
@@ -304,10 +310,7 @@ impl State {
         }
         if let Some((e, stamp)) = f.pending {
             if drv!(self, query_event, dev.query_event(e))? {
-                let f = self.fences.entry(stream).or_default();
-                f.completed = stamp;
-                f.pending = None;
-                self.event_pool.push(e);
+                self.fence_completed(stream, e, stamp);
                 if stamp >= since {
                     return Ok(true);
                 }
@@ -326,9 +329,7 @@ impl State {
         drv!(self, record_event, dev.record_event(e, stream))?;
         let stamp = self.now;
         if drv!(self, query_event, dev.query_event(e))? {
-            let f = self.fences.entry(stream).or_default();
-            f.completed = stamp;
-            self.event_pool.push(e);
+            self.fence_completed(stream, e, stamp);
             return Ok(stamp >= since);
         }
         self.fences.entry(stream).or_default().pending = Some((e, stamp));
