@@ -291,26 +291,39 @@ def cleanup(wl, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def driver_calls() -> Optional[int]:
-    """gmlake's driver calls so far (None with another allocator): one stats read."""
+def driver_calls_by_kind() -> Optional[Dict[str, int]]:
+    """gmlake's driver calls so far, by kind ("total" for all; None with another allocator):
+    one stats read."""
     gm = _gmlake_module()
     if gm is None or not gm.is_enabled():
         return None
     try:
-        return int(gm.stats().get("gmlake.driver_calls", 0))
+        st = gm.stats()
     except Exception:
         return None
+    out = {k[len("gmlake.driver_calls."):]: int(v) for k, v in st.items()
+           if k.startswith("gmlake.driver_calls.")}
+    out["total"] = int(st.get("gmlake.driver_calls", 0))
+    return out
+
+
+def driver_calls() -> Optional[int]:
+    """gmlake's driver calls so far (None with another allocator): one stats read."""
+    c = driver_calls_by_kind()
+    return None if c is None else c["total"]
 
 
 def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from: int,
-              calls_out: Optional[List[int]] = None) -> List[float]:
+              calls_out: Optional[List[int]] = None,
+              kinds_out: Optional[Dict[str, int]] = None) -> List[float]:
     """Runs the steps; times the ones from `timed_from`. With `calls_out`, appends gmlake's
-    driver calls made by each timed step (read between steps, outside the timing)."""
+    driver calls made by each timed step (read between steps, outside the timing); with
+    `kinds_out`, adds them up by kind over the timed steps."""
     times = []
     for i, shape in enumerate(shapes):
         _fake_oom(args, batch)
         sync(device)
-        before = driver_calls() if calls_out is not None and i >= timed_from else None
+        before = driver_calls_by_kind() if calls_out is not None and i >= timed_from else None
         t0 = time.perf_counter()
         wl.step(batch, shape)
         sync(device)
@@ -318,9 +331,12 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
         if i >= timed_from:
             times.append(dt)
             if before is not None:
-                after = driver_calls()
+                after = driver_calls_by_kind()
                 if after is not None:
-                    calls_out.append(after - before)
+                    calls_out.append(after["total"] - before["total"])
+                    if kinds_out is not None:
+                        for k, v in after.items():
+                            kinds_out[k] = kinds_out.get(k, 0) + v - before.get(k, 0)
     return times
 
 
@@ -331,9 +347,13 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
     t0 = time.perf_counter()
     try:
         calls: List[int] = []
-        times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls)
+        kinds: Dict[str, int] = {}
+        times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls, kinds)
         if calls:
             rec["driver_calls_per_step"] = calls
+            # Over all timed steps, by kind: what the replay's cost model (cost.rs) is
+            # checked against (bench/cost_check.py).
+            rec["driver_calls_by_kind"] = kinds
             rec["median_driver_calls_per_step"] = statistics.median(calls)
             rec["mean_driver_calls_per_step"] = statistics.fmean(calls)
         rec["ok"] = True

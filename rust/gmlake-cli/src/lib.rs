@@ -13,7 +13,7 @@
 pub mod app;
 pub mod cli;
 pub mod clock;
-pub mod cost;
+pub use gmlake_core::cost;
 pub mod native;
 pub mod plot;
 pub mod progress;

@@ -85,11 +85,7 @@ fn main() {
     let host_ns = t0.elapsed().as_nanos() as f64 / (2.0 * ops as f64);
     let c1 = a.device().calls();
     let st = a.stats();
-    let busy_ms = ((c1.map - c0.map) as f64 * 150.9
-        + (c1.unmap - c0.unmap) as f64 * 145.0
-        + (c1.create_physical - c0.create_physical) as f64 * 116.0
-        + (c1.release_physical - c0.release_physical) as f64 * 61.0)
-        / 1000.0;
+    let (_, busy_ms) = gmlake_core::cost::estimate_ms(&gmlake_core::cost::difference(&c1, &c0));
     println!(
         "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0}, calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}, core host ns/op {host_ns:.0} (simulated device, utilization sampled every step)",
         c1.total() - c0.total(),

@@ -13,6 +13,7 @@ pub mod allocator;
 mod arena;
 pub mod config;
 pub mod contract;
+pub mod cost;
 pub mod debug;
 pub mod device;
 pub mod error;

@@ -1,14 +1,25 @@
-//! What driver calls cost in host time, to turn the replay's call counts into an estimate of
-//! the time a policy spends in the driver, without a GPU.
+//! What driver calls cost in host time, to turn call counts (`gmlake replay`'s, the
+//! examples') into an estimate of the time a policy spends in the driver, without a GPU.
 //!
-//! Per-call figures measured on an H100 (driver 580, CUDA 13.0) with 2 MiB handles, by
-//! `shared/tools/vmm_sync_probe.cu` (notes/vmm-costs.md), idle GPU and while a kernel runs on
-//! another stream (a training job allocates while kernels run). `cuMemSetAccess` is one call
-//! per range but its cost is per freshly mapped handle, so it is charged per `map` call.
-//! Event record/query and VA reserve/free were not measured there: a few microseconds is
-//! what they take on current drivers (reservations are rare either way).
+//! Figures measured on an H100 (driver 580, CUDA 13.0) with 2 MiB handles by
+//! `bench/vmm_runs_probe.cu`, which maps runs of 1-32 pages as the allocator does (create the
+//! pages, map them, one `cuMemSetAccess` over the run; unmap and release page by page), on an
+//! idle GPU and right after a kernel was launched on another stream (busy: the worst case the
+//! probe found; behind a queue of short kernels the calls cost what they cost idle). A run of
+//! k pages costs a fixed part plus k times a per-page part: mapping and granting access,
+//! 16 + 20.2k µs idle and 75 + 25k µs busy, so the fixed part is charged per `set_access`
+//! call (one per run) and the per-page part per `map`. Creating, unmapping and releasing are
+//! charged per call at their cost in runs of 8 pages (their fixed part, 8-65 µs busy, spread
+//! over the run). Mapping a page that is already mapped elsewhere (a stitched page) costs
+//! the same as its first mapping.
+//!
+//! The single-handle figures of notes/vmm-costs.md (116 µs create, 151 µs map and access,
+//! 145 µs unmap on a busy GPU) are a run of one: this model charged them per call until
+//! 2026-11-26, which overstated the busy driver time of runs 4-7 times.
+//! Event record/query and VA reserve/free were not measured: a few microseconds is what they
+//! take on current drivers (reservations are rare either way).
 
-use gmlake_core::DriverCalls;
+use crate::DriverCalls;
 
 /// Microseconds per call: (idle GPU, busy GPU).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -21,11 +32,13 @@ const fn c(idle_us: f64, busy_us: f64) -> CallCost {
     CallCost { idle_us, busy_us }
 }
 
-pub const CREATE: CallCost = c(9.5, 116.0);
-pub const RELEASE: CallCost = c(9.9, 61.0);
-/// cuMemMap plus the cuMemSetAccess share of the mapped handle.
-pub const MAP_AND_ACCESS: CallCost = c(0.7 + 26.4, 7.9 + 143.0);
-pub const UNMAP: CallCost = c(16.3, 145.0);
+pub const CREATE: CallCost = c(7.5, 18.0);
+pub const RELEASE: CallCost = c(9.1, 11.0);
+/// cuMemMap plus the per-handle share of the cuMemSetAccess over its run.
+pub const MAP: CallCost = c(20.2, 25.0);
+/// The fixed part of mapping a run and granting access to it (one `set_access` call a run).
+pub const SET_ACCESS: CallCost = c(16.0, 75.0);
+pub const UNMAP: CallCost = c(14.7, 18.9);
 pub const EVENT: CallCost = c(2.0, 5.0);
 pub const VA: CallCost = c(5.0, 10.0);
 pub const SYNCHRONIZE: CallCost = c(10.0, 10.0);
@@ -35,7 +48,8 @@ pub fn estimate_ms(calls: &DriverCalls) -> (f64, f64) {
     let parts = [
         (calls.create_physical, CREATE),
         (calls.release_physical, RELEASE),
-        (calls.map, MAP_AND_ACCESS),
+        (calls.map, MAP),
+        (calls.set_access, SET_ACCESS),
         (calls.unmap, UNMAP),
         (
             calls.create_event + calls.record_event + calls.query_event + calls.stream_wait,
@@ -84,8 +98,8 @@ mod tests {
             ..DriverCalls::default()
         };
         let (idle, busy) = estimate_ms(&calls);
-        let want_idle = (2.0 * 9.5 + 10.0 * 27.1 + 4.0 * 16.3 + 2.0 * 2.0) / 1000.0;
-        let want_busy = (2.0 * 116.0 + 10.0 * 150.9 + 4.0 * 145.0 + 2.0 * 5.0) / 1000.0;
+        let want_idle = (2.0 * 7.5 + 10.0 * 20.2 + 3.0 * 16.0 + 4.0 * 14.7 + 2.0 * 2.0) / 1000.0;
+        let want_busy = (2.0 * 18.0 + 10.0 * 25.0 + 3.0 * 75.0 + 4.0 * 18.9 + 2.0 * 5.0) / 1000.0;
         assert!((idle - want_idle).abs() < 1e-9, "{idle} {want_idle}");
         assert!((busy - want_busy).abs() < 1e-9, "{busy} {want_busy}");
         assert_eq!(estimate_ms(&DriverCalls::default()), (0.0, 0.0));

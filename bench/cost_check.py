@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Checks the replay's cost model (rust/gmlake-core/src/cost.rs) against the GPU: for each
+gmlake run of a workload, the driver time the model estimates from the calls gmlake made in
+the timed steps (`driver_calls_by_kind`, recorded by bench/workloads/common.py), against the
+step time gmlake lost to the faster of native and expandable segments in the same file.
+
+    python3 bench/cost_check.py bench/out/bench/*.jsonl
+
+The model's per-call figures are read from cost.rs, so the check follows the model."""
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+COST_RS = Path(__file__).resolve().parent.parent / "rust/gmlake-core/src/cost.rs"
+# Call kinds charged by each cost constant (as in cost.rs's estimate_ms).
+KINDS = {
+    "CREATE": ["create_physical"],
+    "RELEASE": ["release_physical"],
+    "MAP": ["map"],
+    "SET_ACCESS": ["set_access"],
+    "UNMAP": ["unmap"],
+    "EVENT": ["create_event", "record_event", "query_event", "stream_wait"],
+    "VA": ["reserve_va", "free_va"],
+    "SYNCHRONIZE": ["synchronize"],
+}
+
+
+def costs(path=COST_RS):
+    """{constant: (idle µs, busy µs)} from cost.rs."""
+    found = {m.group(1): (float(m.group(2)), float(m.group(3))) for m in re.finditer(
+        r"pub const (\w+): CallCost = c\(([\d.]+), ([\d.]+)\);", path.read_text())}
+    missing = set(KINDS) - set(found)
+    if missing:
+        raise SystemExit(f"cost.rs has no figure for {sorted(missing)}: update bench/cost_check.py")
+    return found
+
+
+def estimate_ms(kinds, table):
+    """(idle, busy) milliseconds for calls by kind."""
+    idle = busy = 0.0
+    for const, names in KINDS.items():
+        n = sum(kinds.get(k, 0) for k in names)
+        idle += n * table[const][0]
+        busy += n * table[const][1]
+    return idle / 1000.0, busy / 1000.0
+
+
+def main(paths):
+    table = costs()
+    rows = []
+    for p in paths:
+        for line in open(p):
+            if line.strip():
+                r = json.loads(line)
+                if r.get("median_step_s"):
+                    rows.append(r)
+    by_wl = {}
+    for r in rows:
+        by_wl.setdefault(r.get("workload", "?"), []).append(r)
+    print(f"{'workload':<14} {'run':<28} {'steps':>5} {'calls/step':>10} {'lost ms/step':>12} "
+          f"{'model idle':>10} {'model busy':>10} {'lost/busy':>9}")
+    for wl, rs in by_wl.items():
+        base = [r["median_step_s"] for r in rs
+                if r.get("allocator", "").split()[0] in ("native", "native2", "expandable")]
+        if not base:
+            continue
+        best = min(base)
+        for r in rs:
+            kinds = r.get("driver_calls_by_kind")
+            steps = len(r.get("driver_calls_per_step") or [])
+            if not kinds or not steps:
+                continue
+            idle, busy = estimate_ms(kinds, table)
+            lost = (r["median_step_s"] - best) * 1e3
+            per = statistics.fmean(r["driver_calls_per_step"])
+            ratio = lost / (busy / steps) if busy > 0 else float("nan")
+            print(f"{wl:<14} {r['allocator'][:28]:<28} {steps:>5} {per:>10.0f} {lost:>12.2f} "
+                  f"{idle / steps:>10.2f} {busy / steps:>10.2f} {ratio:>9.2f}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    main(sys.argv[1:])

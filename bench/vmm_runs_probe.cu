@@ -1,0 +1,123 @@
+// What a VMM call costs per page when pages are mapped in runs, as the allocator maps them,
+// and whether mapping a page that is already mapped elsewhere (a stitched page, whose old
+// range keeps it as an alias) costs more or less than its first mapping. The replay's cost
+// model (rust/gmlake-cli/src/cost.rs) takes its figures from this probe.
+// Build and run on the GPU machine: nvcc -O2 -o probe bench/vmm_runs_probe.cu -lcuda && ./probe
+// Part 1: for runs of k pages: create k, map k + one access call over the run, unmap k,
+// release k; on an idle GPU, right after a 100 ms kernel was launched on another stream
+// ("busy"), and behind 2,000 short queued kernels ("queue"). Median of 7 rounds.
+// Part 2: 64 pages mapped for the first time against 64 aliases of pages mapped at a home
+// range; access once per run or once per page; unmap per page or once per run.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <vector>
+#define CK(x) do { CUresult r = (x); if (r != CUDA_SUCCESS) { const char* s; cuGetErrorString(r, &s); \
+  printf("FAIL %s: %s (line %d)\n", #x, s, __LINE__); return 1; } } while (0)
+__global__ void spin(long long cycles) { long long t0 = clock64(); while (clock64() - t0 < cycles) {} }
+__global__ void touch(char* p) { p[threadIdx.x] += 1; }
+static double now_us() { using namespace std::chrono; return duration<double, std::micro>(steady_clock::now().time_since_epoch()).count(); }
+static double med(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+
+static int runs_part() {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE; prop.location.id = 0;
+  size_t G; CK(cuMemGetAllocationGranularity(&G, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  CUmemAccessDesc acc = {}; acc.location = prop.location; acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  int clk_khz; cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, 0);
+  long long spin_cycles = (long long)clk_khz * 100;  // ~100 ms
+  cudaStream_t s; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  char* scratch; cudaMalloc(&scratch, 1 << 20);
+  CUdeviceptr va; CK(cuMemAddressReserve(&va, 64 * G, 0, 0, 0));
+  printf("%-5s %4s | %10s %10s %10s %10s | per page: %8s %8s %8s %8s\n", "gpu", "k", "create", "map+acc", "unmap", "release", "create", "map+acc", "unmap", "release");
+  for (int mode = 0; mode < 3; mode++) {  // 0 idle, 1 busy (spin kernel), 2 busy with a stream of short kernels queued
+    for (int k : {1, 2, 8, 32}) {
+      std::vector<double> tc, tm, tu, tr;
+      for (int rep = 0; rep < 7; rep++) {
+        if (mode == 1) spin<<<1, 1, 0, s>>>(spin_cycles);
+        if (mode == 2) { for (int i = 0; i < 2000; i++) touch<<<1, 32, 0, s>>>(scratch); }
+        std::vector<CUmemGenericAllocationHandle> h(k);
+        double t0 = now_us();
+        for (auto& x : h) CK(cuMemCreate(&x, G, &prop, 0));
+        double t1 = now_us();
+        for (int i = 0; i < k; i++) CK(cuMemMap(va + i * G, G, 0, h[i], 0));
+        CK(cuMemSetAccess(va, k * G, &acc, 1));
+        double t2 = now_us();
+        for (int i = 0; i < k; i++) CK(cuMemUnmap(va + i * G, G));
+        double t3 = now_us();
+        for (auto x : h) CK(cuMemRelease(x));
+        double t4 = now_us();
+        cudaStreamSynchronize(s);
+        tc.push_back(t1 - t0); tm.push_back(t2 - t1); tu.push_back(t3 - t2); tr.push_back(t4 - t3);
+      }
+      const char* names[] = {"idle", "busy", "queue"};
+      printf("%-5s %4d | %10.1f %10.1f %10.1f %10.1f | per page: %8.1f %8.1f %8.1f %8.1f\n", names[mode], k,
+             med(tc), med(tm), med(tu), med(tr), med(tc) / k, med(tm) / k, med(tu) / k, med(tr) / k);
+    }
+  }
+  return 0;
+}
+
+static int alias_part() {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE; prop.location.id = 0;
+  size_t G; CK(cuMemGetAllocationGranularity(&G, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  CUmemAccessDesc acc = {}; acc.location = prop.location; acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  int clk_khz; cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, 0);
+  long long spin_cycles = (long long)clk_khz * 300;  // ~300 ms
+  cudaStream_t s; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  const int N = 64;
+  CUdeviceptr home, fresh_va, alias_va;
+  CK(cuMemAddressReserve(&home, N * G, 0, 0, 0)); CK(cuMemAddressReserve(&fresh_va, N * G, 0, 0, 0)); CK(cuMemAddressReserve(&alias_va, N * G, 0, 0, 0));
+  std::vector<CUmemGenericAllocationHandle> hh(N), fh(N);
+  for (auto& h : hh) CK(cuMemCreate(&h, G, &prop, 0));
+  for (auto& h : fh) CK(cuMemCreate(&h, G, &prop, 0));
+  for (int i = 0; i < N; i++) CK(cuMemMap(home + i * G, G, 0, hh[i], 0));
+  CK(cuMemSetAccess(home, N * G, &acc, 1));
+  printf("granularity %zu, %d pages per case, median of 5 rounds, us per page\n", G, N);
+  printf("%-6s %-34s %8s %8s %8s %8s\n", "gpu", "case", "map", "access", "unmap", "total");
+  for (int busy = 0; busy < 2; busy++) {
+    for (int c = 0; c < 4; c++) {
+      // c0: fresh pages (first mapping), one access call over the run, one unmap call per page
+      // c1: aliases of pages mapped at home, one access call over the run, unmap per page
+      // c2: aliases, access per page
+      // c3: aliases, one access call, one unmap call over the whole run
+      const char* names[] = {"first mapping, 1 access/run", "alias, 1 access/run", "alias, 1 access/page", "alias, 1 access/run, 1 unmap/run"};
+      CUdeviceptr va = c == 0 ? fresh_va : alias_va;
+      std::vector<double> tm, ta, tu;
+      for (int rep = 0; rep < 5; rep++) {
+        if (busy) spin<<<1, 1, 0, s>>>(spin_cycles);
+        double t = now_us();
+        for (int i = 0; i < N; i++) CK(cuMemMap(va + i * G, G, 0, c == 0 ? fh[i] : hh[i], 0));
+        double t1 = now_us();
+        if (c == 2) { for (int i = 0; i < N; i++) CK(cuMemSetAccess(va + i * G, G, &acc, 1)); }
+        else CK(cuMemSetAccess(va, N * G, &acc, 1));
+        double t2 = now_us();
+        if (c == 3) CK(cuMemUnmap(va, N * G));
+        else for (int i = 0; i < N; i++) CK(cuMemUnmap(va + i * G, G));
+        double t3 = now_us();
+        if (busy) cudaStreamSynchronize(s);
+        tm.push_back((t1 - t) / N); ta.push_back((t2 - t1) / N); tu.push_back((t3 - t2) / N);
+      }
+      std::sort(tm.begin(), tm.end()); std::sort(ta.begin(), ta.end()); std::sort(tu.begin(), tu.end());
+      printf("%-6s %-34s %8.2f %8.2f %8.2f %8.2f\n", busy ? "busy" : "idle", names[c], tm[2], ta[2], tu[2], tm[2] + ta[2] + tu[2]);
+    }
+  }
+  // correctness: write through the alias, read at home
+  for (int i = 0; i < N; i++) CK(cuMemMap(alias_va + i * G, G, 0, hh[i], 0));
+  CK(cuMemSetAccess(alias_va, N * G, &acc, 1));
+  cudaMemset((void*)(alias_va + 5 * G + 100), 0x5a, 1); cudaDeviceSynchronize();
+  unsigned char b = 0; cudaMemcpy(&b, (void*)(home + 5 * G + 100), 1, cudaMemcpyDeviceToHost);
+  printf("alias write seen at home: %s\n", b == 0x5a ? "yes" : "NO");
+  return 0;
+}
+
+int main() {
+  cudaFree(0);
+  printf("Part 1: runs of k pages, us\n");
+  if (runs_part()) return 1;
+  printf("\nPart 2: first mappings against aliases\n");
+  return alias_part();
+}
