@@ -810,9 +810,24 @@ impl Arena {
             .collect()
     }
 
+    /// The handles of the interior pages of this arena's free mapped blocks (the pages a
+    /// stitch or a reuse may take from here), added to `out`. O(those pages).
+    pub fn free_interior_handles(&self, out: &mut rustc_hash::FxHashSet<PhysHandle>) {
+        for &(n, addr) in &self.stealable {
+            let first = self.ceil(addr);
+            out.extend(
+                self.pages
+                    .range(first..first + n * self.page)
+                    .map(|(_, p)| p.handle),
+            );
+        }
+    }
+
     /// The region around `addr` that a reuse may cover: the maximal run of adjacent free
-    /// mapped and lent blocks, as (addr, block) in address order.
-    pub fn reuse_region(&self, addr: u64) -> Vec<(u64, Block)> {
+    /// mapped and lent blocks, as (addr, block) in address order, into `out` (cleared first:
+    /// a scan over many regions reuses one buffer).
+    pub fn reuse_region_into(&self, addr: u64, out: &mut Vec<(u64, Block)>) {
+        out.clear();
         let reusable = |b: &Block| {
             matches!(
                 b.state,
@@ -820,7 +835,7 @@ impl Arena {
             )
         };
         let Some(&b0) = self.blocks.get(&addr) else {
-            return Vec::new();
+            return;
         };
         let mut start = (addr, b0);
         while let Some((pa, p)) = self.prev_of(start.0, start.1.chunk) {
@@ -829,7 +844,7 @@ impl Arena {
             }
             start = (pa, p);
         }
-        let mut out = vec![start];
+        out.push(start);
         let mut cur = start;
         while let Some(n) = self.next_of(cur.0 + cur.1.size, cur.1.chunk) {
             if !reusable(&n) {
@@ -838,7 +853,6 @@ impl Arena {
             cur = (cur.0 + cur.1.size, n);
             out.push(cur);
         }
-        out
     }
 
     /// Every lent alias: made unmapped free space (the caller unmaps them before releasing
@@ -1330,7 +1344,9 @@ mod tests {
         );
         assert_eq!(a.lent_in(f, f + 3 * P).count(), 1);
         // The region a reuse may cover: the free block and the lent one.
-        let region: Vec<u64> = a.reuse_region(f + 2 * P).iter().map(|r| r.0).collect();
+        let mut blocks = Vec::new();
+        a.reuse_region_into(f + 2 * P, &mut blocks);
+        let region: Vec<u64> = blocks.iter().map(|r| r.0).collect();
         assert_eq!(region, vec![f, f + 2 * P]);
         // Taking the lower lent page back: free mapped again, coalesced with the free block.
         assert_eq!(a.claim_lent(f + 2 * P, 6, true), Some(h(f + 2 * P)));

@@ -477,15 +477,41 @@ impl State {
         let arena = &self.arenas[aid as usize];
         let stream = arena.key.stream;
         let page = self.page;
-        let mut best: Option<(u64, u64, u64)> = None; // (busy, moved, start)
-                                                      // Lent blocks in address order from the cursor, then from the lowest address up to
-                                                      // the cursor; a region holds several, so each region is walked once (`scanned` is
-                                                      // the end of the last one walked).
+        // Which lent pages are reusable: looked up page by page (the page's home block), or,
+        // when the pages that can be free are fewer than the aliases to classify, read from
+        // the set of those pages' handles, built once for the scan (on the concatenation
+        // trace this took the scans' time down 3x). Both give the same answer: a page is
+        // reusable iff it is an interior page of a free mapped block of an arena that may
+        // give to `stream` (the scan avoids no range).
+        let giving: u64 = self
+            .arenas
+            .iter()
+            .filter(|a| a.stealable_pages > 0 && self.may_give(a, stream))
+            .map(|a| a.stealable_pages)
+            .sum();
+        let free_pages: Option<FxHashSet<PhysHandle>> = (giving <= arena.lent_pages()).then(|| {
+            let mut set = FxHashSet::default();
+            set.reserve(giving as usize);
+            for a in &self.arenas {
+                if a.stealable_pages > 0 && self.may_give(a, stream) {
+                    a.free_interior_handles(&mut set);
+                }
+            }
+            set
+        });
+        // (busy, moved, start) of the best window so far.
+        let mut best: Option<(u64, u64, u64)> = None;
+        // Lent blocks in address order from the cursor, then from the lowest address up to
+        // the cursor; a region holds several, so each region is walked once (`scanned` is
+        // the end of the last one walked).
         let cursor = arena.reuse_cursor;
         let mut next_cursor = cursor;
         let mut scanned = cursor;
         let mut wrapped = cursor == 0;
         let mut checked = 0u64;
+        // Buffers reused region after region.
+        let mut region: Vec<(u64, crate::arena::Block)> = Vec::new();
+        let mut units: Vec<(u64, u64, u8)> = Vec::new(); // (addr, len, 0 free/1 reusable/2 busy)
         loop {
             let laddr = match arena.lent_from(scanned).next() {
                 Some(a) if !(wrapped && a >= cursor && cursor > 0) => a,
@@ -500,7 +526,7 @@ impl State {
                 next_cursor = laddr;
                 break;
             }
-            let region = arena.reuse_region(laddr);
+            arena.reuse_region_into(laddr, &mut region);
             checked += region.len() as u64;
             let (Some(&(rstart, _)), Some(&(last, lb))) = (region.first(), region.last()) else {
                 break;
@@ -511,9 +537,9 @@ impl State {
                 continue;
             }
             // Units: free mapped blocks (cost 0), lent pages: reusable (0) or busy (1).
-            let mut units: Vec<(u64, u64, u8)> = Vec::new(); // (addr, len, 0 free/1 reusable/2 busy)
+            units.clear();
             let mut last = None;
-            for (addr, b) in region {
+            for &(addr, b) in &region {
                 if matches!(b.state, ArenaState::FreeMapped { .. }) {
                     units.push((addr, b.size, 0));
                     continue;
@@ -521,11 +547,19 @@ impl State {
                 checked += b.size / page;
                 // Every page of a lent block is an alias (I3).
                 for (va, h) in arena.lent_in(addr, addr + b.size) {
-                    let kind = if self.reusable_cached(h, aid, stream, (0, 0), &mut last) {
-                        1
-                    } else {
-                        2
+                    let reusable = match &free_pages {
+                        Some(set) => {
+                            let r = set.contains(&h);
+                            debug_assert_eq!(
+                                r,
+                                self.reusable(h, aid, stream, (0, 0)),
+                                "the free-page set disagrees with the lookup for {h:?}"
+                            );
+                            r
+                        }
+                        None => self.reusable_cached(h, aid, stream, (0, 0), &mut last),
                     };
+                    let kind = if reusable { 1 } else { 2 };
                     units.push((va, page, kind));
                 }
             }
