@@ -8,6 +8,10 @@
 // ("busy"), and behind 2,000 short queued kernels ("queue"). Median of 7 rounds.
 // Part 2: 64 pages mapped for the first time against 64 aliases of pages mapped at a home
 // range; access once per run or once per page; unmap per page or once per run.
+// Part 3: do VMM calls slow kernels down? A memory-bound kernel streams over a 1 GiB buffer,
+// 400 launches back to back, timed with events, while the host waits, maps + grants + unmaps
+// runs of 8 fresh pages over and over, only maps + grants, or only unmaps; also gives the
+// calls' host cost while the GPU is executing without pause.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -20,6 +24,12 @@ __global__ void spin(long long cycles) { long long t0 = clock64(); while (clock6
 __global__ void touch(char* p) { p[threadIdx.x] += 1; }
 static double now_us() { using namespace std::chrono; return duration<double, std::micro>(steady_clock::now().time_since_epoch()).count(); }
 static double med(std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; }
+
+__global__ void stream_kernel(float4* p, size_t n) {
+  size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  for (; i < n; i += stride) { float4 v = p[i]; v.x += 1.f; p[i] = v; }
+}
 
 static int runs_part() {
   CUmemAllocationProp prop = {};
@@ -114,10 +124,68 @@ static int alias_part() {
   return 0;
 }
 
+static int stall_part() {
+  CUmemAllocationProp prop = {};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE; prop.location.id = 0;
+  size_t G; CK(cuMemGetAllocationGranularity(&G, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  CUmemAccessDesc acc = {}; acc.location = prop.location; acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  cudaStream_t s; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  size_t bytes = 1ull << 30; float4* buf; cudaMalloc(&buf, bytes); size_t n = bytes / sizeof(float4);
+  const int H = 512; std::vector<CUmemGenericAllocationHandle> hs(H);
+  for (auto& h : hs) CK(cuMemCreate(&h, G, &prop, 0));
+  CUdeviceptr va; CK(cuMemAddressReserve(&va, H * G, 0, 0, 0));
+  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+  const int K = 400;  // kernel launches per timed sequence (~ several hundred ms)
+  for (int warm = 0; warm < 5; warm++) stream_kernel<<<1056, 512, 0, s>>>(buf, n);
+  cudaStreamSynchronize(s);
+  const char* names[] = {"host waits", "map+access+unmap runs of 8", "map+access runs of 8", "unmap runs of 8 (mapped before)"};
+  printf("GPU time of %d launches of a 1 GiB streaming kernel, and host VMM work during it\n", K);
+  for (int rep = 0; rep < 3; rep++) {
+    for (int mode = 0; mode < 4; mode++) {
+      int mapped = 0;
+      if (mode == 3) {  // map everything first
+        for (int i = 0; i < H; i++) CK(cuMemMap(va + i * G, G, 0, hs[i], 0));
+        CK(cuMemSetAccess(va, H * G, &acc, 1));
+        mapped = H;
+      }
+      cudaEventRecord(e0, s);
+      for (int k = 0; k < K; k++) stream_kernel<<<1056, 512, 0, s>>>(buf, n);
+      cudaEventRecord(e1, s);
+      long ops = 0; double host_us = 0;
+      int next = 0;
+      while (cudaEventQuery(e1) == cudaErrorNotReady) {
+        double t = now_us();
+        if (mode == 1 && next + 8 <= H) {
+          for (int i = 0; i < 8; i++) CK(cuMemMap(va + (next + i) * G, G, 0, hs[next + i], 0));
+          CK(cuMemSetAccess(va + next * G, 8 * G, &acc, 1));
+          for (int i = 0; i < 8; i++) CK(cuMemUnmap(va + (next + i) * G, G));
+          next = (next + 8) % H; ops += 8;
+        } else if (mode == 2 && next + 8 <= H) {
+          for (int i = 0; i < 8; i++) CK(cuMemMap(va + (next + i) * G, G, 0, hs[next + i], 0));
+          CK(cuMemSetAccess(va + next * G, 8 * G, &acc, 1));
+          next += 8; ops += 8;
+        } else if (mode == 3 && mapped > 0) {
+          for (int i = 0; i < 8 && mapped > 0; i++) { mapped--; CK(cuMemUnmap(va + mapped * G, G)); ops++; }
+        } else {
+          host_us -= 0;  // idle poll
+          continue;
+        }
+        host_us += now_us() - t;
+      }
+      float ms; cudaEventElapsedTime(&ms, e0, e1);
+      if (mode == 2) for (int i = 0; i < next; i++) CK(cuMemUnmap(va + i * G, G));
+      printf("rep %d %-34s GPU %8.1f ms  pages %6ld  host VMM %8.1f ms  (%.1f us/page)\n", rep, names[mode], ms, ops, host_us / 1e3, ops ? host_us / ops : 0.0);
+    }
+  }
+  return 0;
+}
+
 int main() {
   cudaFree(0);
   printf("Part 1: runs of k pages, us\n");
   if (runs_part()) return 1;
   printf("\nPart 2: first mappings against aliases\n");
-  return alias_part();
+  if (alias_part()) return 1;
+  printf("\nPart 3: VMM calls while kernels run\n");
+  return stall_part();
 }

@@ -4,14 +4,18 @@
 //! Figures measured on an H100 (driver 580, CUDA 13.0) with 2 MiB handles by
 //! `bench/vmm_runs_probe.cu`, which maps runs of 1-32 pages as the allocator does (create the
 //! pages, map them, one `cuMemSetAccess` over the run; unmap and release page by page), on an
-//! idle GPU and right after a kernel was launched on another stream (busy: the worst case the
-//! probe found; behind a queue of short kernels the calls cost what they cost idle). A run of
-//! k pages costs a fixed part plus k times a per-page part: mapping and granting access,
-//! 16 + 20.2k µs idle and 75 + 25k µs busy, so the fixed part is charged per `set_access`
-//! call (one per run) and the per-page part per `map`. Creating, unmapping and releasing are
-//! charged per call at their cost in runs of 8 pages (their fixed part, 8-65 µs busy, spread
-//! over the run). Mapping a page that is already mapped elsewhere (a stitched page) costs
-//! the same as its first mapping.
+//! idle GPU and with the GPU busy (right after a kernel launch, and while a stream of kernels
+//! runs without pause; behind a queue of short kernels they cost what they cost idle in two
+//! runs of the probe and what they cost busy in a third).
+//! A run of k pages costs a fixed part plus k times a per-page part: mapping and granting
+//! access, 16 + 20.2k µs idle and about 75 + 25k µs busy (34-37 µs a page in runs of 8 while
+//! kernels run), so the fixed part is charged per `set_access` call (one per run) and the
+//! per-page part per `map`. Creating and releasing are charged per call at their cost in runs
+//! of 8 pages; unmapping at its cost while kernels run (33 µs a page; 15-19 right after a
+//! launch or idle). Mapping a page that is already mapped elsewhere (a stitched page) costs
+//! the same as its first mapping. The calls cost host time only: kernels running meanwhile
+//! took no longer (4,500 pages mapped, granted and unmapped during 302 ms of a memory-bound
+//! kernel stream added 0.3%).
 //!
 //! The single-handle figures of notes/vmm-costs.md (116 µs create, 151 µs map and access,
 //! 145 µs unmap on a busy GPU) are a run of one: this model charged them per call until
@@ -38,7 +42,7 @@ pub const RELEASE: CallCost = c(9.1, 11.0);
 pub const MAP: CallCost = c(20.2, 25.0);
 /// The fixed part of mapping a run and granting access to it (one `set_access` call a run).
 pub const SET_ACCESS: CallCost = c(16.0, 75.0);
-pub const UNMAP: CallCost = c(14.7, 18.9);
+pub const UNMAP: CallCost = c(14.7, 33.0);
 pub const EVENT: CallCost = c(2.0, 5.0);
 pub const VA: CallCost = c(5.0, 10.0);
 pub const SYNCHRONIZE: CallCost = c(10.0, 10.0);
@@ -99,7 +103,7 @@ mod tests {
         };
         let (idle, busy) = estimate_ms(&calls);
         let want_idle = (2.0 * 7.5 + 10.0 * 20.2 + 3.0 * 16.0 + 4.0 * 14.7 + 2.0 * 2.0) / 1000.0;
-        let want_busy = (2.0 * 18.0 + 10.0 * 25.0 + 3.0 * 75.0 + 4.0 * 18.9 + 2.0 * 5.0) / 1000.0;
+        let want_busy = (2.0 * 18.0 + 10.0 * 25.0 + 3.0 * 75.0 + 4.0 * 33.0 + 2.0 * 5.0) / 1000.0;
         assert!((idle - want_idle).abs() < 1e-9, "{idle} {want_idle}");
         assert!((busy - want_busy).abs() < 1e-9, "{busy} {want_busy}");
         assert_eq!(estimate_ms(&DriverCalls::default()), (0.0, 0.0));
