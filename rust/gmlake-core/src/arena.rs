@@ -303,31 +303,68 @@ impl Arena {
         }
     }
 
-    fn insert_free_mapped(&mut self, mut addr: u64, mut size: u64, mut freed: u64, chunk: u32) {
+    /// Adds [addr, addr+size) as free mapped space (nothing is recorded there now),
+    /// coalescing it with free mapped neighbours (I4).
+    fn insert_free_mapped(&mut self, addr: u64, size: u64, freed: u64, chunk: u32) {
+        self.free_mapped_at(addr, size, freed, chunk, false);
+    }
+
+    /// [`Arena::insert_free_mapped`], where `recorded` says that `blocks` still holds an
+    /// entry at `addr` (out of every index: a quick block being flushed), to rewrite or drop.
+    /// The hot path of every free: an entry that stays at its address (this one, or the
+    /// free block before when they merge) is rewritten in place rather than removed and
+    /// inserted, and the `ext` of the block after is refreshed only when that block may be
+    /// unmapped space of this chunk (the only blocks whose `ext` counts this one).
+    fn free_mapped_at(
+        &mut self,
+        mut addr: u64,
+        mut size: u64,
+        mut freed: u64,
+        chunk: u32,
+        recorded: bool,
+    ) {
+        let mut in_place = recorded;
         if let Some((pa, p)) = self.prev_of(addr, chunk) {
             if let BlockState::FreeMapped { freed: f } = p.state {
-                self.take(pa);
+                if recorded {
+                    self.blocks.remove(&addr);
+                }
+                self.index_remove(pa, &p);
+                in_place = true;
                 addr = pa;
                 size += p.size;
                 freed = freed.max(f);
             }
         }
+        // Whether the block after the new free block may need its `ext` refreshed.
+        let mut refresh = false;
         if let Some(n) = self.next_of(addr + size, chunk) {
-            if let BlockState::FreeMapped { freed: f } = n.state {
-                self.take(addr + size);
-                size += n.size;
-                freed = freed.max(f);
+            match n.state {
+                BlockState::FreeMapped { freed: f } => {
+                    self.take(addr + size);
+                    size += n.size;
+                    freed = freed.max(f);
+                    refresh = true;
+                }
+                BlockState::FreeUnmapped { .. } => refresh = true,
+                _ => {}
             }
         }
-        self.put(
-            addr,
-            Block {
-                size,
-                state: BlockState::FreeMapped { freed },
-                chunk,
-            },
-        );
-        self.refresh_ext(addr + size);
+        let b = Block {
+            size,
+            state: BlockState::FreeMapped { freed },
+            chunk,
+        };
+        match self.blocks.get_mut(&addr) {
+            Some(slot) if in_place => {
+                *slot = b;
+                self.index_insert(addr, &b);
+            }
+            _ => self.put(addr, b),
+        }
+        if refresh {
+            self.refresh_ext(addr + size);
+        }
     }
 
     fn insert_free_unmapped(&mut self, mut addr: u64, mut size: u64, chunk: u32) {
@@ -442,16 +479,24 @@ impl Arena {
             Some((&a, &b)) => (a, b),
             None => return,
         };
-        self.take(addr);
         let chunk = b.chunk;
-        self.put(
-            start,
-            Block {
-                size,
-                state: BlockState::Live,
-                chunk,
-            },
-        );
+        let live = Block {
+            size,
+            state: BlockState::Live,
+            chunk,
+        };
+        if start == addr {
+            // A hit at the start of a free block (the common case): its entry is rewritten
+            // in place rather than removed and inserted again.
+            self.index_remove(addr, &b);
+            if let Some(slot) = self.blocks.get_mut(&addr) {
+                *slot = live;
+            }
+            self.index_insert(addr, &live);
+        } else {
+            self.take(addr);
+            self.put(start, live);
+        }
         if start > addr {
             match b.state {
                 BlockState::FreeMapped { freed } => {
@@ -536,9 +581,10 @@ impl Arena {
         }
         let quick = std::mem::take(&mut self.quick);
         for Reverse(addr) in quick.into_values().flatten() {
-            if let Some(b) = self.take(addr) {
+            if let Some(b) = self.blocks.get(&addr).copied() {
                 if let BlockState::Quick { freed } = b.state {
-                    self.insert_free_mapped(addr, b.size, freed, b.chunk);
+                    self.index_remove(addr, &b);
+                    self.free_mapped_at(addr, b.size, freed, b.chunk, true);
                 }
             }
         }
