@@ -31,14 +31,31 @@ __global__ void stream_kernel(float4* p, size_t n) {
   for (; i < n; i += stride) { float4 v = p[i]; v.x += 1.f; p[i] = v; }
 }
 
-static int runs_part() {
+// What every part needs: device memory properties, the page size, read-write access, and a
+// non-blocking stream for the kernels.
+struct Setup {
   CUmemAllocationProp prop = {};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE; prop.location.id = 0;
-  size_t G; CK(cuMemGetAllocationGranularity(&G, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  CUmemAccessDesc acc = {}; acc.location = prop.location; acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUmemAccessDesc acc = {};
+  size_t G = 0;
+  cudaStream_t s = nullptr;
+};
+static int setup(Setup& u) {
+  u.prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; u.prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE; u.prop.location.id = 0;
+  CK(cuMemGetAllocationGranularity(&u.G, &u.prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  u.acc.location = u.prop.location; u.acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  cudaStreamCreateWithFlags(&u.s, cudaStreamNonBlocking);
+  return 0;
+}
+// Clock cycles of a spin kernel of about `ms` milliseconds.
+static long long spin_cycles_for(int ms) {
   int clk_khz; cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, 0);
-  long long spin_cycles = (long long)clk_khz * 100;  // ~100 ms
-  cudaStream_t s; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  return (long long)clk_khz * ms;
+}
+#define SETUP Setup u; if (setup(u)) return 1; auto& prop = u.prop; auto& acc = u.acc; size_t G = u.G; cudaStream_t s = u.s;
+
+static int runs_part() {
+  SETUP
+  long long spin_cycles = spin_cycles_for(100);
   char* scratch; cudaMalloc(&scratch, 1 << 20);
   CUdeviceptr va; CK(cuMemAddressReserve(&va, 64 * G, 0, 0, 0));
   printf("%-5s %4s | %10s %10s %10s %10s | per page: %8s %8s %8s %8s\n", "gpu", "k", "create", "map+acc", "unmap", "release", "create", "map+acc", "unmap", "release");
@@ -71,13 +88,8 @@ static int runs_part() {
 }
 
 static int alias_part() {
-  CUmemAllocationProp prop = {};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE; prop.location.id = 0;
-  size_t G; CK(cuMemGetAllocationGranularity(&G, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  CUmemAccessDesc acc = {}; acc.location = prop.location; acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  int clk_khz; cudaDeviceGetAttribute(&clk_khz, cudaDevAttrClockRate, 0);
-  long long spin_cycles = (long long)clk_khz * 300;  // ~300 ms
-  cudaStream_t s; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  SETUP
+  long long spin_cycles = spin_cycles_for(300);
   const int N = 64;
   CUdeviceptr home, fresh_va, alias_va;
   CK(cuMemAddressReserve(&home, N * G, 0, 0, 0)); CK(cuMemAddressReserve(&fresh_va, N * G, 0, 0, 0)); CK(cuMemAddressReserve(&alias_va, N * G, 0, 0, 0));
@@ -125,11 +137,7 @@ static int alias_part() {
 }
 
 static int stall_part() {
-  CUmemAllocationProp prop = {};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED; prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE; prop.location.id = 0;
-  size_t G; CK(cuMemGetAllocationGranularity(&G, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
-  CUmemAccessDesc acc = {}; acc.location = prop.location; acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-  cudaStream_t s; cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  SETUP
   size_t bytes = 1ull << 30; float4* buf; cudaMalloc(&buf, bytes); size_t n = bytes / sizeof(float4);
   const int H = 512; std::vector<CUmemGenericAllocationHandle> hs(H);
   for (auto& h : hs) CK(cuMemCreate(&h, G, &prop, 0));
