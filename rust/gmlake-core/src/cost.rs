@@ -5,8 +5,8 @@
 //! `bench/vmm_runs_probe.cu`, which maps runs of 1-32 pages as the allocator does (create the
 //! pages, map them, one `cuMemSetAccess` over the run; unmap and release page by page), on an
 //! idle GPU and with the GPU busy (right after a kernel launch, and while a stream of kernels
-//! runs without pause; behind a queue of short kernels they cost what they cost idle in two
-//! runs of the probe and what they cost busy in a third).
+//! runs without pause; behind a queue of short kernels they cost what they cost idle in
+//! three runs of the probe out of four, and what they cost busy in the other).
 //! A run of k pages costs a fixed part plus k times a per-page part: mapping and granting
 //! access, 16 + 20.2k µs idle and about 75 + 25k µs busy (34-37 µs a page in runs of 8 while
 //! kernels run), so the fixed part is charged per `set_access` call (one per run) and the
