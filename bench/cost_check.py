@@ -2,7 +2,9 @@
 """Checks the replay's cost model (rust/gmlake-core/src/cost.rs) against the GPU: for each
 gmlake run of a workload, the driver time the model estimates from the calls gmlake made in
 the timed steps (`driver_calls_by_kind`, recorded by bench/workloads/common.py), against the
-step time gmlake lost to the faster of native and expandable segments in the same file.
+step time gmlake lost to the faster of native and expandable segments in the same file. For
+bench/latency.cpp's random mixed pattern (`calls_timed.*` keys), the same for the timed
+pairs: the time gmlake lost to native's fastest run.
 
     python3 bench/cost_check.py bench/out/bench/*.jsonl
 
@@ -47,15 +49,41 @@ def estimate_ms(kinds, table):
     return idle / 1000.0, busy / 1000.0
 
 
+def latency_rows(recs, table):
+    """Lines comparing gmlake's random mixed runs with the model (empty without any)."""
+    mixed = [r for r in recs if r.get("kind") == "latency" and r.get("test") == "mixed"]
+    base = [r["ns_per_pair"] for r in mixed if r.get("allocator") == "native"]
+    out = []
+    for r in mixed:
+        kinds = {k[len("calls_timed."):]: v for k, v in r.items() if k.startswith("calls_timed.")}
+        if not kinds or not base:
+            continue
+        pairs = r["ops_pairs"]
+        idle, busy = estimate_ms(kinds, table)
+        lost = (r["ns_per_pair"] - min(base)) * pairs / 1e6
+        calls = sum(v for k, v in kinds.items() if k in sum(KINDS.values(), []))
+        out.append(f"{'mixed':<14} {r.get('allocator', '?')[:28]:<28} {pairs:>8} {calls:>8} "
+                   f"{lost:>10.2f} {idle:>10.2f} {busy:>10.2f} "
+                   f"{(lost / idle if idle > 0 else float('nan')):>9.2f}")
+    if out:
+        out.insert(0, f"{'pattern':<14} {'run':<28} {'pairs':>8} {'calls':>8} {'lost ms':>10} "
+                      f"{'model idle':>10} {'model busy':>10} {'lost/idle':>9}")
+    return out
+
+
 def main(paths):
     table = costs()
     rows = []
+    recs = []
     for p in paths:
         for line in open(p):
             if line.strip():
                 r = json.loads(line)
+                recs.append(r)
                 if r.get("median_step_s"):
                     rows.append(r)
+    for line in latency_rows(recs, table):
+        print(line)
     by_wl = {}
     for r in rows:
         by_wl.setdefault(r.get("workload", "?"), []).append(r)

@@ -183,6 +183,24 @@ long long gmlake_counter(const char* name) {
   return std::strtoll(buf.c_str() + pos + key.size(), nullptr, 10);
 }
 
+// gmlake's driver calls by kind and stitching counters, read around a timed part (-1 where
+// the allocator is not gmlake): what the replay's cost model (rust/gmlake-core/src/cost.rs)
+// is checked against (bench/cost_check.py reads the `calls_timed.*` keys).
+const char* const kCountedKeys[] = {
+    "gmlake.driver_calls.map", "gmlake.driver_calls.set_access", "gmlake.driver_calls.unmap",
+    "gmlake.driver_calls.create_physical", "gmlake.driver_calls.release_physical",
+    "gmlake.driver_calls.record_event", "gmlake.driver_calls.query_event",
+    "gmlake.driver_calls.stream_wait", "gmlake.driver_calls.synchronize",
+    "gmlake.driver_calls.create_event", "gmlake.driver_calls.reserve_va", "gmlake.driver_calls.free_va",
+    "gmlake.pages_stitched", "gmlake.stitch_reuses", "gmlake.aliases_replaced"};
+constexpr size_t kCounted = sizeof(kCountedKeys) / sizeof(kCountedKeys[0]);
+
+std::vector<long long> gmlake_counters() {
+  std::vector<long long> v;
+  for (const char* k : kCountedKeys) v.push_back(gmlake_counter(k));
+  return v;
+}
+
 // ---- fixed sizes
 
 void bench_fixed() {
@@ -255,11 +273,13 @@ void bench_mixed() {
   const double warm_ms = ns_since(t_warm) / 1e6;
   auto before = stats();
   const long long stitches0 = gmlake_counter("gmlake.stitches");
+  const std::vector<long long> counted0 = gmlake_counters();
   auto t0 = Clock::now();
   for (size_t i = warm; i < warm + ops; ++i) step(i);
   const double ns = ns_since(t0);
   auto after = stats();
   const long long stitches1 = gmlake_counter("gmlake.stitches");
+  const std::vector<long long> counted1 = gmlake_counters();
   // Sampled pass: each operation timed (the clock itself costs ~20-40 ns per reading).
   std::vector<double> ta, tf;
   ta.reserve(sampled);
@@ -296,6 +316,12 @@ void bench_mixed() {
       .integer("peak_active_bytes", s.active_bytes[0].peak)
       .integer("peak_reserved_bytes", s.reserved_bytes[0].peak)
       .integer("reserved_bytes", s.reserved_bytes[0].current);
+  for (size_t k = 0; k < kCounted; ++k) {
+    if (counted0[k] < 0 || counted1[k] < 0) continue;
+    const std::string name = kCountedKeys[k];
+    const auto dot = name.rfind('.');
+    rec.integer(("calls_timed." + name.substr(dot + 1)).c_str(), counted1[k] - counted0[k]);
+  }
   rec.emit();
   for (void* p : live) release(p);
   cca::emptyCache();

@@ -54,3 +54,24 @@ def test_table_compares_the_step_lost_with_the_estimate(tmp_path, capsys):
     assert cols[2:4] == ["2", "200"]
     assert abs(float(cols[4]) - 10.0) < 0.01, "lost: 12.5 ms against expandable's 2.5"
     assert abs(float(cols[6]) - busy_per_step) < 0.01
+
+
+def test_the_random_mixed_pattern_is_checked_against_native(tmp_path, capsys):
+    recs = [
+        {"kind": "latency", "test": "mixed", "allocator": "native", "ns_per_pair": 1000.0,
+         "ops_pairs": 1000},
+        {"kind": "latency", "test": "mixed", "allocator": "gmlake", "ns_per_pair": 5000.0,
+         "ops_pairs": 1000, "calls_timed.map": 50, "calls_timed.set_access": 10,
+         "calls_timed.pages_stitched": 50},
+    ]
+    p = tmp_path / "l.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cost_check.main([str(p)])
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("mixed")]
+    assert len(out) == 1
+    cols = out[0].split()
+    table = cost_check.costs()
+    idle = (50 * table["MAP"][0] + 10 * table["SET_ACCESS"][0]) / 1000
+    assert cols[3] == "60", "stitching counters are not calls"
+    assert abs(float(cols[4]) - 4.0) < 0.01, "lost: 4,000 ns a pair over 1,000 pairs"
+    assert abs(float(cols[5]) - idle) < 0.01
