@@ -8,6 +8,7 @@
 //! (defaults 10000 and 1000000, latency.cpp's; key=value as `GMLAKE_CONF`). `MIXED_MIN` and
 //! `MIXED_MAX` (bytes) change the size range: `MIXED_MIN=1048576 MIXED_MAX=536870912` with
 //! about 370 live blocks is bench/workloads/stress.py's pattern (1-512 MiB, 30 GiB live).
+//! `MIXED_CAPACITY` (bytes) sets the simulated device's size (default 16 TiB).
 
 use gmlake_core::{Allocator, Config, SimDevice};
 
@@ -21,7 +22,13 @@ fn main() {
         let (k, v) = kv.split_once('=').unwrap();
         cfg.set(k, v).expect("a valid setting");
     }
-    let a = Allocator::new(SimDevice::new(1 << 44), cfg).unwrap();
+    // The device's size: limits that scale with it (the kept aliases' budget) bind on a GPU
+    // and not on a huge simulated device (`MIXED_CAPACITY`, bytes; 80 GB for an H100).
+    let capacity = std::env::var("MIXED_CAPACITY")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(1 << 44);
+    let a = Allocator::new(SimDevice::new(capacity), cfg).unwrap();
     let mut seed = 0x9e37_79b9_7f4a_7c15u64
         ^ std::env::var("MIXED_SEED")
             .ok()
