@@ -16,27 +16,34 @@ import sys
 from pathlib import Path
 
 COST_RS = Path(__file__).resolve().parent.parent / "rust/gmlake-core/src/cost.rs"
-# Call kinds charged by each cost constant (as in cost.rs's estimate_ms).
-KINDS = {
-    "CREATE": ["create_physical"],
-    "RELEASE": ["release_physical"],
-    "MAP": ["map"],
-    "SET_ACCESS": ["set_access"],
-    "UNMAP": ["unmap"],
-    "EVENT": ["create_event", "record_event", "query_event", "stream_wait"],
-    "VA": ["reserve_va", "free_va"],
-    "SYNCHRONIZE": ["synchronize"],
-}
+
+
+def model(path=COST_RS):
+    """The model as cost.rs states it: ({constant: (idle µs, busy µs)}, {constant: [call
+    kinds it charges]}), the second read from `estimate_ms`'s list of parts, so that this
+    check charges what the replay charges."""
+    text = path.read_text()
+    table = {m.group(1): (float(m.group(2)), float(m.group(3))) for m in re.finditer(
+        r"pub const (\w+): CallCost = c\(([\d.]+), ([\d.]+)\);", text)}
+    start = text.index("let parts = [")
+    parts = text[start:text.index("];", start)]
+    kinds = {m.group(2): re.findall(r"calls\.(\w+)", m.group(1)) for m in re.finditer(
+        r"\(\s*((?:calls\.\w+\s*\+?\s*)+),\s*(\w+),?\s*\)", parts)}
+    missing = set(kinds) - set(table)
+    if not kinds or missing:
+        raise SystemExit(f"cannot read the model from {path} (no figure for {sorted(missing)})")
+    return table, kinds
 
 
 def costs(path=COST_RS):
     """{constant: (idle µs, busy µs)} from cost.rs."""
-    found = {m.group(1): (float(m.group(2)), float(m.group(3))) for m in re.finditer(
-        r"pub const (\w+): CallCost = c\(([\d.]+), ([\d.]+)\);", path.read_text())}
-    missing = set(KINDS) - set(found)
-    if missing:
-        raise SystemExit(f"cost.rs has no figure for {sorted(missing)}: update bench/cost_check.py")
-    return found
+    return model(path)[0]
+
+
+# Call kinds charged by each cost constant, as in cost.rs's estimate_ms.
+KINDS = model()[1]
+# Every call kind the model charges (stitching counters in the same records are not calls).
+CALL_KINDS = {k for names in KINDS.values() for k in names}
 
 
 def estimate_ms(kinds, table):
@@ -61,7 +68,7 @@ def latency_rows(recs, table):
         pairs = r["ops_pairs"]
         idle, busy = estimate_ms(kinds, table)
         lost = (r["ns_per_pair"] - min(base)) * pairs / 1e6
-        calls = sum(v for k, v in kinds.items() if k in sum(KINDS.values(), []))
+        calls = sum(v for k, v in kinds.items() if k in CALL_KINDS)
         out.append(f"{'mixed':<14} {r.get('allocator', '?')[:28]:<28} {pairs:>8} {calls:>8} "
                    f"{lost:>10.2f} {idle:>10.2f} {busy:>10.2f} "
                    f"{(lost / idle if idle > 0 else float('nan')):>9.2f}")

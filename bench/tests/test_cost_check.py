@@ -7,6 +7,7 @@ Run: python3 -m pytest -q bench/tests
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +21,15 @@ def test_every_charged_kind_has_a_figure_in_cost_rs():
     assert set(cost_check.KINDS) <= set(table)
     for idle, busy in table.values():
         assert 0 < idle <= busy
+
+
+def test_the_model_charges_every_call_kind_the_allocator_counts():
+    stats = (BENCH.parent / "rust/gmlake-core/src/stats.rs").read_text()
+    block = stats[stats.index("pub fn as_pairs"):]
+    block = block[block.index("{"):block.index("\n        ]")]
+    counted = set(re.findall(r'\("(\w+)", self\.\w+\)', block))
+    assert len(counted) == 12
+    assert cost_check.CALL_KINDS == counted
 
 
 def test_estimate_charges_each_kind_at_its_figure():

@@ -307,11 +307,6 @@ def driver_calls_by_kind() -> Optional[Dict[str, int]]:
     return out
 
 
-def driver_calls() -> Optional[int]:
-    """gmlake's driver calls so far (None with another allocator): one stats read."""
-    c = driver_calls_by_kind()
-    return None if c is None else c["total"]
-
 
 def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from: int,
               calls_out: Optional[List[int]] = None,

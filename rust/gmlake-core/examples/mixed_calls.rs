@@ -22,8 +22,8 @@ fn main() {
         let (k, v) = kv.split_once('=').unwrap();
         cfg.set(k, v).expect("a valid setting");
     }
-    // The device's size: limits that scale with it (the kept aliases' budget) bind on a GPU
-    // and not on a huge simulated device (`MIXED_CAPACITY`, bytes; 80 GB for an H100).
+    // The simulated device's size (`MIXED_CAPACITY`, bytes; 85899345920 for an 80 GB H100),
+    // to compare with a GPU of that size.
     let capacity = std::env::var("MIXED_CAPACITY")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())

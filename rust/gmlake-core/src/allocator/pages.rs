@@ -38,9 +38,9 @@ pub(super) struct Reuse {
 /// How long a miss polls its stream's pending fence before it gives up a kept window whose
 /// busy aliases that fence protects. The host runs ahead of the GPU, so the fence recorded
 /// at the miss is usually pending; the window's alternative, a new range, maps every page
-/// of it (about 150 µs a page on a busy H100) and lays memory out differently from then on
-/// (on the concatenation job one such refusal cost 2% of its peak). The bound keeps a
-/// stream that is far behind from stalling the host.
+/// of it (25-35 µs a page on a busy H100: `crate::cost`) and lays memory out differently
+/// from then on (on the concatenation job one such refusal cost 2% of its peak). The bound
+/// keeps a stream that is far behind from stalling the host.
 pub(super) const REUSE_FENCE_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// Lent pages a miss examines at most when looking for a range to reuse: bounds the cost of
@@ -483,22 +483,21 @@ impl State {
         // trace this took the scans' time down 3x). Both give the same answer: a page is
         // reusable iff it is an interior page of a free mapped block of an arena that may
         // give to `stream` (the scan avoids no range).
-        let giving: u64 = self
+        let giving: Vec<&Arena> = self
             .arenas
             .iter()
             .filter(|a| a.stealable_pages > 0 && self.may_give(a, stream))
-            .map(|a| a.stealable_pages)
-            .sum();
-        let free_pages: Option<FxHashSet<PhysHandle>> = (giving <= arena.lent_pages()).then(|| {
-            let mut set = FxHashSet::default();
-            set.reserve(giving as usize);
-            for a in &self.arenas {
-                if a.stealable_pages > 0 && self.may_give(a, stream) {
+            .collect();
+        let free_count: u64 = giving.iter().map(|a| a.stealable_pages).sum();
+        let free_pages: Option<FxHashSet<PhysHandle>> =
+            (free_count <= arena.lent_pages()).then(|| {
+                let mut set = FxHashSet::default();
+                set.reserve(free_count as usize);
+                for a in &giving {
                     a.free_interior_handles(&mut set);
                 }
-            }
-            set
-        });
+                set
+            });
         // (busy, moved, start) of the best window so far.
         let mut best: Option<(u64, u64, u64)> = None;
         // Lent blocks in address order from the cursor, then from the lowest address up to
