@@ -71,11 +71,59 @@ pub(crate) enum Take {
 /// How many blocks the quick lists of one arena hold before they are flushed.
 const QUICK_CAPACITY: usize = 256;
 
+/// Walks an arena's regions that hold lent blocks (`Arena::lent_regions_from`).
+pub(crate) struct LentRegions<'a> {
+    blocks: std::iter::Peekable<std::collections::btree_map::Range<'a, u64, Block>>,
+}
+
+impl LentRegions<'_> {
+    /// The next region, as (addr, block) in address order, into `out` (cleared first);
+    /// returns the address of its first lent block, or `None` when no region is left.
+    pub fn next_into(&mut self, out: &mut Vec<(u64, Block)>) -> Option<u64> {
+        loop {
+            out.clear();
+            let (a, b) = loop {
+                let (&a, b) = self.blocks.next()?;
+                if b.reusable() {
+                    break (a, *b);
+                }
+            };
+            let mut first_lent = matches!(b.state, BlockState::Lent { .. }).then_some(a);
+            let mut end = a + b.size;
+            out.push((a, b));
+            while let Some((&na, nb)) = self.blocks.peek() {
+                if na != end || nb.chunk != b.chunk || !nb.reusable() {
+                    break;
+                }
+                if first_lent.is_none() && matches!(nb.state, BlockState::Lent { .. }) {
+                    first_lent = Some(na);
+                }
+                out.push((na, **nb));
+                end = na + nb.size;
+                self.blocks.next();
+            }
+            if first_lent.is_some() {
+                return first_lent;
+            }
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Block {
     pub size: u64,
     pub state: BlockState,
     pub chunk: u32,
+}
+
+impl Block {
+    /// Whether a reuse window may cover the block: free mapped, or lent.
+    fn reusable(&self) -> bool {
+        matches!(
+            self.state,
+            BlockState::FreeMapped { .. } | BlockState::Lent { .. }
+        )
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -123,6 +171,8 @@ pub(crate) struct Arena {
     /// size -> quick blocks of that size, lowest address first (as best fit would pick).
     quick: rustc_hash::FxHashMap<u64, BinaryHeap<Reverse<u64>>>,
     quick_len: usize,
+    /// The addresses a flush of the quick lists coalesces (kept to reuse its allocation).
+    flush_buf: Vec<u64>,
     /// Bytes and count of free mapped blocks, quick ones included.
     pub free_mapped_bytes: u64,
     pub free_mapped_count: u64,
@@ -154,6 +204,7 @@ impl Arena {
             lent_addrs: BTreeSet::new(),
             quick: rustc_hash::FxHashMap::default(),
             quick_len: 0,
+            flush_buf: Vec::new(),
             free_mapped_bytes: 0,
             free_mapped_count: 0,
             stealable_pages: 0,
@@ -367,6 +418,22 @@ impl Arena {
         }
     }
 
+    /// What is left of a free mapped block that `carve` cut: it stays free mapped where it
+    /// is, between the new live block and a neighbour of the old block, which is not free
+    /// mapped (I4), so there is nothing to coalesce (the caller refreshes the `ext` after).
+    fn put_free_mapped_between(&mut self, addr: u64, size: u64, freed: u64, chunk: u32) {
+        debug_assert!(
+            self.prev_of(addr, chunk)
+                .is_none_or(|(_, p)| !matches!(p.state, BlockState::FreeMapped { .. }))
+                && self
+                    .next_of(addr + size, chunk)
+                    .is_none_or(|n| !matches!(n.state, BlockState::FreeMapped { .. })),
+            "a carved free block had a free mapped neighbour (I4)"
+        );
+        let state = BlockState::FreeMapped { freed };
+        self.put(addr, Block { size, state, chunk });
+    }
+
     fn insert_free_unmapped(&mut self, mut addr: u64, mut size: u64, chunk: u32) {
         if let Some((pa, p)) = self.prev_of(addr, chunk) {
             if matches!(p.state, BlockState::FreeUnmapped { .. }) {
@@ -500,7 +567,7 @@ impl Arena {
         if start > addr {
             match b.state {
                 BlockState::FreeMapped { freed } => {
-                    self.insert_free_mapped(addr, start - addr, freed, chunk)
+                    self.put_free_mapped_between(addr, start - addr, freed, chunk)
                 }
                 _ => {
                     let pf = self.floor(start).max(addr);
@@ -519,7 +586,7 @@ impl Arena {
                 if bend > end {
                     match b.state {
                         BlockState::FreeMapped { freed } => {
-                            self.insert_free_mapped(end, bend - end, freed, chunk)
+                            self.put_free_mapped_between(end, bend - end, freed, chunk)
                         }
                         _ => {
                             let pe = self.ceil(end).min(bend);
@@ -579,8 +646,13 @@ impl Arena {
         if self.quick_len == 0 {
             return;
         }
-        let quick = std::mem::take(&mut self.quick);
-        for Reverse(addr) in quick.into_values().flatten() {
+        // Drained in place, into a buffer kept from flush to flush: random sizes flush at
+        // nearly every allocation, and a map taken whole was allocated again each time.
+        let mut addrs = std::mem::take(&mut self.flush_buf);
+        for (_, heap) in self.quick.drain() {
+            addrs.extend(heap.into_iter().map(|Reverse(a)| a));
+        }
+        for &addr in &addrs {
             if let Some(b) = self.blocks.get(&addr).copied() {
                 if let BlockState::Quick { freed } = b.state {
                     self.index_remove(addr, &b);
@@ -588,6 +660,8 @@ impl Arena {
                 }
             }
         }
+        addrs.clear();
+        self.flush_buf = addrs;
         self.quick_len = 0;
     }
 
@@ -819,11 +893,6 @@ impl Arena {
         Some(h)
     }
 
-    /// Addresses of lent blocks at or after `from`, in address order.
-    pub fn lent_from(&self, from: u64) -> impl Iterator<Item = u64> + '_ {
-        self.lent_addrs.range(from..).copied()
-    }
-
     /// Lent blocks as (addr, bytes), in address order.
     pub fn lent_blocks(&self) -> Vec<(u64, u64)> {
         self.lent_addrs
@@ -869,36 +938,31 @@ impl Arena {
         }
     }
 
-    /// The region around `addr` that a reuse may cover: the maximal run of adjacent free
-    /// mapped and lent blocks, as (addr, block) in address order, into `out` (cleared first:
-    /// a scan over many regions reuses one buffer).
-    pub fn reuse_region_into(&self, addr: u64, out: &mut Vec<(u64, Block)>) {
-        out.clear();
-        let reusable = |b: &Block| {
-            matches!(
-                b.state,
-                BlockState::FreeMapped { .. } | BlockState::Lent { .. }
-            )
+    /// The regions (maximal runs of adjacent free mapped and lent blocks of one chunk) that
+    /// hold a lent block, in address order, from the region of the first lent block at or
+    /// after `from`. One pass over the blocks: a scan that jumped from lent block to lent
+    /// block paid three tree descents a region.
+    pub fn lent_regions_from(&self, from: u64) -> LentRegions<'_> {
+        LentRegions {
+            blocks: self.blocks.range(self.lent_region_start(from)..).peekable(),
+        }
+    }
+
+    /// Where the region of the first lent block at or after `from` starts (`u64::MAX` when
+    /// there is no such block).
+    fn lent_region_start(&self, from: u64) -> u64 {
+        let Some(&l) = self.lent_addrs.range(from..).next() else {
+            return u64::MAX;
         };
-        let Some(&b0) = self.blocks.get(&addr) else {
-            return;
-        };
-        let mut start = (addr, b0);
-        while let Some((pa, p)) = self.prev_of(start.0, start.1.chunk) {
-            if !reusable(&p) {
+        let mut start = l;
+        let chunk = self.blocks.get(&l).map_or(0, |b| b.chunk);
+        for (&pa, p) in self.blocks.range(..l).rev() {
+            if pa + p.size != start || p.chunk != chunk || !p.reusable() {
                 break;
             }
-            start = (pa, p);
+            start = pa;
         }
-        out.push(start);
-        let mut cur = start;
-        while let Some(n) = self.next_of(cur.0 + cur.1.size, cur.1.chunk) {
-            if !reusable(&n) {
-                break;
-            }
-            cur = (cur.0 + cur.1.size, n);
-            out.push(cur);
-        }
+        start
     }
 
     /// Every lent alias: made unmapped free space (the caller unmaps them before releasing
@@ -1378,22 +1442,28 @@ mod tests {
         assert_eq!(a.lent_since(f), None, "free mapped, not lent");
         assert_eq!(a.lent_at(f + 3 * P), Some(h(f + 3 * P)));
         assert_eq!(a.lent_blocks(), vec![(f + 2 * P, 2 * P)]);
-        assert_eq!(
-            a.lent_from(f + 3 * P).count(),
-            0,
-            "blocks start at or after"
-        );
-        assert_eq!(a.lent_from(f).collect::<Vec<_>>(), vec![f + 2 * P]);
+        // The regions a reuse may cover: the free block and the lent one, found from any
+        // address up to the lent block (the walk starts at the region's first block, even
+        // before `from`); none after it.
+        let mut blocks = Vec::new();
+        for from in [0, f, f + 2 * P] {
+            let mut regions = a.lent_regions_from(from);
+            assert_eq!(
+                regions.next_into(&mut blocks),
+                Some(f + 2 * P),
+                "first lent block"
+            );
+            let region: Vec<u64> = blocks.iter().map(|r| r.0).collect();
+            assert_eq!(region, vec![f, f + 2 * P], "from {from:#x}");
+            assert_eq!(regions.next_into(&mut blocks), None);
+        }
+        assert_eq!(a.lent_regions_from(f + 3 * P).next_into(&mut blocks), None);
+        assert!(blocks.is_empty());
         assert_eq!(
             a.lent_matching(|x| x == h(f + 2 * P)),
             vec![(f + 2 * P, h(f + 2 * P))]
         );
         assert_eq!(a.lent_in(f, f + 3 * P).count(), 1);
-        // The region a reuse may cover: the free block and the lent one.
-        let mut blocks = Vec::new();
-        a.reuse_region_into(f + 2 * P, &mut blocks);
-        let region: Vec<u64> = blocks.iter().map(|r| r.0).collect();
-        assert_eq!(region, vec![f, f + 2 * P]);
         // Taking the lower lent page back: free mapped again, coalesced with the free block.
         assert_eq!(a.claim_lent(f + 2 * P, 6, true), Some(h(f + 2 * P)));
         assert_eq!(a.claim_lent(f + 2 * P, 6, true), None, "not lent any more");

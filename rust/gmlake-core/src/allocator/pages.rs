@@ -500,23 +500,22 @@ impl State {
             });
         // (busy, moved, start) of the best window so far.
         let mut best: Option<(u64, u64, u64)> = None;
-        // Lent blocks in address order from the cursor, then from the lowest address up to
-        // the cursor; a region holds several, so each region is walked once (`scanned` is
-        // the end of the last one walked).
+        // Regions holding lent blocks, in address order from the cursor, then from the
+        // lowest address up to the cursor.
         let cursor = arena.reuse_cursor;
         let mut next_cursor = cursor;
-        let mut scanned = cursor;
         let mut wrapped = cursor == 0;
+        let mut regions = arena.lent_regions_from(cursor);
         let mut checked = 0u64;
         // Buffers reused region after region.
         let mut region: Vec<(u64, crate::arena::Block)> = Vec::new();
         let mut units: Vec<(u64, u64, u8)> = Vec::new(); // (addr, len, 0 free/1 reusable/2 busy)
         loop {
-            let laddr = match arena.lent_from(scanned).next() {
+            let laddr = match regions.next_into(&mut region) {
                 Some(a) if !(wrapped && a >= cursor && cursor > 0) => a,
                 _ if !wrapped => {
                     wrapped = true;
-                    scanned = 0;
+                    regions = arena.lent_regions_from(0);
                     continue;
                 }
                 _ => break,
@@ -525,13 +524,11 @@ impl State {
                 next_cursor = laddr;
                 break;
             }
-            arena.reuse_region_into(laddr, &mut region);
             checked += region.len() as u64;
             let (Some(&(rstart, _)), Some(&(last, lb))) = (region.first(), region.last()) else {
                 break;
             };
             let rend = last + lb.size;
-            scanned = rend.max(laddr + 1);
             if rend - rstart < size {
                 continue;
             }
