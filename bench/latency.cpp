@@ -25,6 +25,8 @@
 #include <c10/util/Exception.h>
 #include <dlfcn.h>
 
+#include "mixed_sequence.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -242,26 +244,17 @@ void bench_fixed() {
 // ---- random mixed pattern
 
 void bench_mixed() {
-  std::mt19937_64 rng(opt.seed);
-  const double lmin = std::log(static_cast<double>(opt.mixed_min));
-  const double lmax = std::log(static_cast<double>(opt.mixed_max));
-  std::uniform_real_distribution<double> ud(lmin, lmax);
-  auto draw_size = [&] { return static_cast<size_t>(std::exp(ud(rng))); };
   const size_t live_n = opt.quick ? std::min<size_t>(opt.mixed_live, 2000) : opt.mixed_live;
   const size_t ops = opt.quick ? std::min<size_t>(opt.mixed_ops, 100000) : opt.mixed_ops;
-  const size_t warm = std::max<size_t>(ops / 5, 4 * live_n);
-  const size_t sampled = std::min<size_t>(ops / 5, 200000);
-  const size_t total = warm + ops + sampled;
-  std::vector<uint32_t> idx(total);
-  std::vector<size_t> sz(total);
-  std::uniform_int_distribution<size_t> ui(0, live_n - 1);
-  for (size_t i = 0; i < total; ++i) {
-    idx[i] = static_cast<uint32_t>(ui(rng));
-    sz[i] = draw_size();
-  }
+  const mixed::Sequence seq = mixed::make(opt.seed, opt.mixed_min, opt.mixed_max, live_n, ops);
+  const std::vector<uint32_t>& idx = seq.idx;
+  const std::vector<size_t>& sz = seq.sz;
+  const size_t warm = seq.warm;
+  const size_t total = seq.warm + seq.ops + seq.sampled;
+  const size_t sampled = seq.sampled;
   std::vector<void*> live(live_n);
   auto t_fill = Clock::now();
-  for (size_t i = 0; i < live_n; ++i) live[i] = alloc(draw_size());
+  for (size_t i = 0; i < live_n; ++i) live[i] = alloc(seq.fill[i]);
   const double fill_ms = ns_since(t_fill) / 1e6;
   auto step = [&](size_t i) {
     const uint32_t j = idx[i];

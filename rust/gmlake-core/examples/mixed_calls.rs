@@ -9,6 +9,12 @@
 //! `MIXED_MAX` (bytes) change the size range: `MIXED_MIN=1048576 MIXED_MAX=536870912` with
 //! about 370 live blocks is bench/workloads/stress.py's pattern (1-512 MiB, 30 GiB live).
 //! `MIXED_CAPACITY` (bytes) sets the simulated device's size (default 16 TiB).
+//!
+//! `MIXED_SEQUENCE=FILE` replays a sequence written by bench/mixed_sequence.cpp instead: the
+//! operations bench/latency.cpp makes for its seed (live blocks, warm-up and timed pairs from
+//! the file; `live` and `ops` are ignored). The pattern's calls depend on the sequence far more
+//! than on the device (other seeds of the same distribution: 4k to 33k calls over 200k pairs),
+//! so a comparison with the GPU uses the GPU's sequence.
 
 use gmlake_core::{Allocator, Config, SimDevice};
 
@@ -55,30 +61,50 @@ fn main() {
         let u = (r >> 11) as f64 / (1u64 << 53) as f64;
         (lmin + u * (lmax - lmin)).exp() as u64
     };
+    // (fill sizes, warm-up pairs, timed pairs as (index, size)): drawn here, or read.
+    let (fill, warm, pairs) = match std::env::var_os("MIXED_SEQUENCE") {
+        Some(path) => match read_sequence(std::path::Path::new(&path)) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!(
+                    "mixed_calls: MIXED_SEQUENCE={}: {e}",
+                    path.to_string_lossy()
+                );
+                std::process::exit(2);
+            }
+        },
+        None => {
+            let fill: Vec<u64> = (0..live_n).map(|_| draw(next())).collect();
+            let warm = (ops / 5).max(4 * live_n);
+            let pairs: Vec<(usize, u64)> = (0..warm + ops)
+                .map(|_| {
+                    let j = (next() >> 33) as usize % live_n;
+                    (j, draw(next()))
+                })
+                .collect();
+            (fill, warm, pairs)
+        }
+    };
+    let (live_n, ops) = (fill.len(), pairs.len() - warm);
     let mut live: Vec<u64> = Vec::with_capacity(live_n);
     let mut sizes: Vec<u64> = Vec::with_capacity(live_n);
     let mut active: u64 = 0;
-    for _ in 0..live_n {
-        let s = draw(next());
+    for &s in &fill {
         live.push(a.allocate(s, 0).unwrap());
         sizes.push(s);
         active += s;
     }
-    let warm = (ops / 5).max(4 * live_n);
     let mut c0 = a.device().calls();
     let (mut peak_active, mut peak_reserved) = (0u64, 0u64);
     let mut min_util = f64::INFINITY;
     let mut t0 = std::time::Instant::now();
-    for i in 0..warm + ops {
+    for (i, &(j, s)) in pairs.iter().enumerate() {
         if i == warm {
             c0 = a.device().calls();
             t0 = std::time::Instant::now();
         }
-        let r = next();
-        let j = (r >> 33) as usize % live_n;
         a.free(live[j]).unwrap();
         active -= sizes[j];
-        let s = draw(next());
         live[j] = a.allocate(s, 0).unwrap();
         sizes[j] = s;
         active += s;
@@ -109,4 +135,55 @@ fn main() {
         st.alias_evictions,
     );
     a.verify().unwrap();
+}
+
+/// Fill sizes, warm-up pair count, and the pairs (index freed, size allocated).
+type Sequence = (Vec<u64>, usize, Vec<(usize, u64)>);
+
+/// A sequence written by bench/mixed_sequence.cpp: little-endian u64 words live, warm, ops,
+/// sampled, then `live` fill sizes, then (index, size) per pair. Returns the fill sizes, the
+/// warm-up pair count and the warm-up and timed pairs (the sampled ones are left out).
+fn read_sequence(path: &std::path::Path) -> Result<Sequence, String> {
+    let bytes = std::fs::read(path).map_err(|e| e.to_string())?;
+    if bytes.len() % 8 != 0 {
+        return Err(format!("{} bytes: not whole u64 words", bytes.len()));
+    }
+    let w: Vec<u64> = bytes
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
+        .collect();
+    let [live, warm, ops, sampled] = match w.get(..4) {
+        Some(&[a, b, c, d]) => [a, b, c, d].map(|x| x as usize),
+        _ => return Err("shorter than its header".into()),
+    };
+    let want = [warm, ops, sampled]
+        .iter()
+        .try_fold(0usize, |t, &x| t.checked_add(x))
+        .and_then(|p| p.checked_mul(2))
+        .and_then(|p| p.checked_add(live))
+        .and_then(|p| p.checked_add(4));
+    if live == 0 || want != Some(w.len()) {
+        let want = want.map_or("more than can be".to_string(), |n| n.to_string());
+        return Err(format!(
+            "{} words, but its header (live {live}, warm {warm}, ops {ops}, sampled {sampled}) says {want}",
+            w.len()
+        ));
+    }
+    let fill = w[4..4 + live].to_vec();
+    let pairs: Vec<(usize, u64)> = w[4 + live..]
+        .chunks_exact(2)
+        .take(warm + ops)
+        .map(|p| (p[0] as usize, p[1]))
+        .collect();
+    if let Some(&(j, _)) = pairs.iter().find(|p| p.0 >= live) {
+        return Err(format!("a pair frees block {j} of {live}"));
+    }
+    if fill
+        .iter()
+        .chain(pairs.iter().map(|p| &p.1))
+        .any(|&s| s == 0)
+    {
+        return Err("a size of 0".into());
+    }
+    Ok((fill, warm, pairs))
 }
