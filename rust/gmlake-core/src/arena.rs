@@ -160,6 +160,10 @@ pub(crate) struct Arena {
     by_age: BTreeSet<(u64, u64)>,
     /// FreeUnmapped blocks by (ext, addr).
     unmapped: BTreeSet<(u64, u64)>,
+    /// The addresses of FreeUnmapped blocks: few, and asked after every carve and free
+    /// (whether the block after holds an `ext` to refresh) where a lookup in `blocks` cost
+    /// a tree descent each time.
+    unmapped_at: rustc_hash::FxHashSet<u64>,
     /// Active pages: va -> page. Private: the allocator reads it through accessors.
     pages: BTreeMap<u64, Page>,
     /// Aliases kept mapped in `Lent` blocks: va -> handle (active elsewhere, or spare).
@@ -198,6 +202,7 @@ impl Arena {
             stealable: BTreeSet::new(),
             by_age: BTreeSet::new(),
             unmapped: BTreeSet::new(),
+            unmapped_at: rustc_hash::FxHashSet::default(),
             pages: BTreeMap::new(),
             lent: BTreeMap::new(),
             lent_age: BTreeSet::new(),
@@ -251,6 +256,7 @@ impl Arena {
             }
             BlockState::FreeUnmapped { ext } => {
                 self.unmapped.insert((ext, addr));
+                self.unmapped_at.insert(addr);
             }
             BlockState::FreeMapped { freed } => {
                 self.free_mapped.insert((b.size, addr));
@@ -282,6 +288,7 @@ impl Arena {
             }
             BlockState::FreeUnmapped { ext } => {
                 self.unmapped.remove(&(ext, addr));
+                self.unmapped_at.remove(&addr);
             }
             BlockState::FreeMapped { freed } => {
                 self.free_mapped.remove(&(b.size, addr));
@@ -336,6 +343,9 @@ impl Arena {
 
     /// Recomputes the `ext` of an unmapped block at `addr` after its predecessor changed.
     fn refresh_ext(&mut self, addr: u64) {
+        if !self.unmapped_at.contains(&addr) {
+            return;
+        }
         let Some(b) = self.blocks.get(&addr).copied() else {
             return;
         };
@@ -1059,6 +1069,7 @@ impl Arena {
     pub fn check(&self) -> Result<(), String> {
         let mut fm = (0u64, 0u64, 0u64);
         let (mut lent_pages, mut lent_blocks) = (0u64, 0usize);
+        let mut unmapped_blocks = 0usize;
         for (id, &(start, size)) in self.chunks.iter().enumerate() {
             if size == 0 {
                 continue;
@@ -1146,9 +1157,10 @@ impl Arena {
                         if ext != self.ext_of(a, b.size, b.chunk) {
                             return Err(format!("I5: stale ext at {a:#x}"));
                         }
-                        if !self.unmapped.contains(&(ext, a)) {
+                        if !self.unmapped.contains(&(ext, a)) || !self.unmapped_at.contains(&a) {
                             return Err(format!("I5: {a:#x} missing from unmapped"));
                         }
+                        unmapped_blocks += 1;
                     }
                     BlockState::Lent { since } => {
                         if !self.lent_age.contains(&(since, a)) {
@@ -1163,6 +1175,13 @@ impl Arena {
             if cursor != start + size {
                 return Err(format!("I1: chunk {start:#x} not fully covered"));
             }
+        }
+        if unmapped_blocks != self.unmapped.len() || unmapped_blocks != self.unmapped_at.len() {
+            return Err(format!(
+                "I5: {unmapped_blocks} unmapped blocks, {} and {} indexed",
+                self.unmapped.len(),
+                self.unmapped_at.len()
+            ));
         }
         if lent_pages != self.lent.len() as u64
             || lent_blocks != self.lent_age.len()
