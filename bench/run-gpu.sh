@@ -20,7 +20,8 @@
 #                   concat_cache stress")
 #   BENCH_ALLOCATORS allocators, run in this order per workload (default: "native expandable
 #                   gmlake native2"; native2 is native again, whose ratio to native is the noise)
-#   BENCH_STEPS     measured steps of every workload (overrides the defaults and quick mode)
+#   BENCH_STEPS     measured steps of every workload (overrides the defaults and quick mode;
+#                   a workload's timeout grows with it past the workload's default steps)
 #   BENCH_NO_SEARCH=1 skip the largest-batch searches (step times and driver calls only)
 #   BENCH_NO_LATENCY=1 / BENCH_NO_WORKLOADS=1  skip a part
 #   GMLAKE_CONF     gmlake's configuration (passed through)
@@ -178,8 +179,14 @@ run_workload() { # workload allocator
     record "{\"kind\":\"skipped\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"why\":\"budget\"}"
     return
   fi
-  local cap
+  local cap base
   cap=$(wl_timeout "$w")
+  # The timeouts fit each workload's default steps: more steps (BENCH_STEPS) get more time in
+  # proportion (kv_infer's 20 steps need about four times its 5).
+  base=$(sed -n 's/^DEFAULTS = {"steps": \([0-9]*\).*/\1/p' "bench/workloads/$w.py")
+  if [ -n "${BENCH_STEPS:-}" ] && [ -n "$base" ] && [ "$base" -gt 0 ] && [ "$BENCH_STEPS" -gt "$base" ]; then
+    cap=$((cap * BENCH_STEPS / base))
+  fi
   [ "$t" -gt "$cap" ] && t=$cap
   s=$(wl_search "$w")
   # Leave the search at most 60% of the process's time.

@@ -5,6 +5,7 @@ Run: python3 -m pytest -q bench/tests
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import py_compile
@@ -174,6 +175,19 @@ def test_run_script_syntax():
     for s in ("run-gpu.sh", "build-latency.sh", "deepspeed/run.sh", "deepspeed/wheels.sh"):
         r = subprocess.run(["bash", "-n", str(BENCH / s)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("w", WORKLOADS)
+def test_run_gpu_reads_each_workloads_default_steps(w):
+    """run-gpu.sh scales a workload's timeout by BENCH_STEPS over its default steps, which it
+    reads from the workload's DEFAULTS line with sed: the line must keep that shape."""
+    script = (BENCH / "run-gpu.sh").read_text()
+    pattern = script.split("base=$(sed -n '")[1].split("'")[0]
+    r = subprocess.run(["sed", "-n", pattern, str(BENCH / "workloads" / f"{w}.py")],
+                       capture_output=True, text=True, check=True)
+    line = next(x for x in (BENCH / "workloads" / f"{w}.py").read_text().splitlines()
+                if x.startswith("DEFAULTS = "))
+    assert r.stdout.strip() == str(ast.literal_eval(line.split("=", 1)[1].strip())["steps"])
 
 
 def test_search_on_cpu_with_fake_oom(tmp_path):
