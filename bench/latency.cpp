@@ -250,7 +250,7 @@ void bench_mixed() {
   const std::vector<uint32_t>& idx = seq.idx;
   const std::vector<size_t>& sz = seq.sz;
   const size_t warm = seq.warm;
-  const size_t total = seq.warm + seq.ops + seq.sampled;
+  const size_t total = seq.idx.size();
   const size_t sampled = seq.sampled;
   std::vector<void*> live(live_n);
   auto t_fill = Clock::now();
