@@ -6,6 +6,7 @@
 //   latency --allocator native|expandable|gmlake [--lib libgmlake_torch.so] [--conf k:v,...]
 //           [--out results.jsonl] [--quick] [--no-fixed] [--no-mixed] [--no-stitch]
 //           [--mixed-live 10000] [--mixed-min 512] [--mixed-max 33554432] [--mixed-ops 1000000]
+//           [--ops FILE [--ops-passes 3]]
 //
 // Tests (one JSON line each, on stdout and appended to --out):
 //  - fixed: raw_alloc + raw_delete of one size in a loop (a cache hit after the first), sizes
@@ -19,6 +20,13 @@
 //    stitched (gmlake_stats_json's gmlake.pages_stitched delta): microseconds per page stitched.
 //    Native and expandable serve the same request from new device memory: their time is shown
 //    for comparison.
+//  - ops (with --ops FILE, instead of the others): a real job's allocations and frees, written
+//    from its memory snapshot by `gmlake ops SNAPSHOT --out FILE`. The list's first half is the
+//    warm-up; ns per operation of its second half (the job's steady state, as `gmlake replay`'s
+//    "second half"), and gmlake's driver calls there: the allocator's own share of the job's step
+//    time (its operations per step times ns per operation), free of the Python and launch noise
+//    that moves the job's steps by 30%. Then the whole list `--ops-passes - 1` more times (every
+//    block is freed at its end): ns per operation of each such pass.
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -58,6 +66,8 @@ struct Options {
   size_t mixed_max = 32 * MiB;
   size_t mixed_ops = 1000000;
   uint64_t seed = 42;
+  std::string ops;
+  size_t ops_passes = 3;
 };
 
 Options opt;
@@ -320,6 +330,139 @@ void bench_mixed() {
   cca::emptyCache();
 }
 
+// ---- a recorded job's operations (`gmlake ops`)
+
+struct OpList {
+  size_t streams = 0, slots = 0;
+  std::vector<uint64_t> word;  // per operation: kind | stream << 1 | slot << 8
+  std::vector<uint64_t> size;  // per operation: bytes (0 for a free)
+};
+
+// The file of rust/gmlake-cli/src/ops.rs (little-endian u64 words: magic, streams, slots, ops,
+// then two words per operation). `gmlake ops` checks every operation against the slots' states;
+// here the bounds are checked again so a damaged file cannot index out of range.
+bool read_ops(const std::string& path, OpList& l, std::string& why) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    why = "cannot open " + path;
+    return false;
+  }
+  uint64_t h[4] = {0, 0, 0, 0};
+  const bool head = std::fread(h, sizeof(uint64_t), 4, f) == 4;
+  uint64_t magic = 0;
+  std::memcpy(&magic, "GMLKOPS1", 8);
+  if (!head || h[0] != magic) {
+    std::fclose(f);
+    why = path + " is not an operation list (write one with `gmlake ops SNAPSHOT --out FILE`)";
+    return false;
+  }
+  l.streams = h[1];
+  l.slots = h[2];
+  std::vector<uint64_t> w(2 * h[3]);
+  const bool body = std::fread(w.data(), sizeof(uint64_t), w.size(), f) == w.size();
+  std::fclose(f);
+  if (!body || l.streams > 128) {
+    why = path + ": shorter than its header says, or more than 128 streams";
+    return false;
+  }
+  for (size_t i = 0; i < h[3]; ++i) {
+    const uint64_t x = w[2 * i];
+    if ((x >> 8) >= l.slots || ((x & 1) == 0 && ((x >> 1) & 0x7f) >= l.streams)) {
+      why = path + ": operation " + std::to_string(i) + " names a slot or stream out of range";
+      return false;
+    }
+    l.word.push_back(x);
+    l.size.push_back(w[2 * i + 1]);
+  }
+  return true;
+}
+
+void bench_ops() {
+  OpList l;
+  std::string why;
+  if (!read_ops(opt.ops, l, why)) {
+    Rec rec("latency_error");
+    rec.str("error", why);
+    rec.emit();
+    return;
+  }
+  // Stream 0 is the default stream; the others are made here (c10's stream pool needs
+  // libtorch_cuda's hooks, which this program does not load).
+  std::vector<cudaStream_t> streams(l.streams, nullptr);
+  for (size_t i = 1; i < l.streams; ++i) {
+    if (cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking) != cudaSuccess) {
+      Rec rec("latency_error");
+      rec.str("error", "cudaStreamCreateWithFlags failed");
+      rec.emit();
+      return;
+    }
+  }
+  std::vector<void*> live(l.slots, nullptr);
+  const size_t n = l.word.size();
+  auto run = [&](size_t from, size_t to) {
+    for (size_t i = from; i < to; ++i) {
+      const uint64_t x = l.word[i];
+      void*& p = live[x >> 8];
+      if (x & 1) {
+        release(p);
+        p = nullptr;
+      } else {
+        p = cca::raw_alloc_with_stream(l.size[i], streams[(x >> 1) & 0x7f]);
+      }
+    }
+  };
+  // The job as recorded: its first half untimed (warm-up), its second half timed.
+  const size_t half = n / 2;
+  auto t_warm = Clock::now();
+  run(0, half);
+  const double warm_ns = ns_since(t_warm);
+  cca::resetPeakStats(0);
+  auto before = stats();
+  const std::vector<long long> counted0 = gmlake_counters();
+  auto t0 = Clock::now();
+  run(half, n);
+  const double timed_ns = ns_since(t0);
+  auto after = stats();
+  const std::vector<long long> counted1 = gmlake_counters();
+  auto s = stats();
+  // Then the whole list again, pass after pass: a job whose steps free everything (its period
+  // the whole recording).
+  std::vector<double> repeat;
+  const long long calls0 = gmlake_counter("gmlake.driver_calls");
+  for (size_t k = 1; k < opt.ops_passes; ++k) {
+    auto t = Clock::now();
+    run(0, n);
+    repeat.push_back(ns_since(t) / static_cast<double>(n));
+  }
+  const long long calls1 = gmlake_counter("gmlake.driver_calls");
+  const auto slash = opt.ops.rfind('/');
+  Rec rec("latency");
+  rec.str("test", "ops").str("ops_file", slash == std::string::npos ? opt.ops : opt.ops.substr(slash + 1))
+      .integer("ops", static_cast<long long>(n)).integer("streams", static_cast<long long>(l.streams))
+      .integer("timed_ops", static_cast<long long>(n - half))
+      .num("ns_per_op", timed_ns / static_cast<double>(n - half))
+      .num("warm_ns_per_op", warm_ns / static_cast<double>(half))
+      .nums("repeat_ns_per_op", repeat)
+      .integer("repeat_driver_calls", calls0 >= 0 ? calls1 - calls0 : -1)
+      .integer("device_allocs_timed", after.num_device_alloc - before.num_device_alloc)
+      .integer("device_frees_timed", after.num_device_free - before.num_device_free)
+      .integer("alloc_retries", s.num_alloc_retries)
+      .integer("peak_active_bytes", s.active_bytes[0].peak)
+      .integer("peak_reserved_bytes", s.reserved_bytes[0].peak)
+      .num("utilization", s.reserved_bytes[0].peak > 0
+                              ? static_cast<double>(s.active_bytes[0].peak) / s.reserved_bytes[0].peak
+                              : NAN);
+  for (size_t k = 0; k < kCounted; ++k) {
+    if (counted0[k] < 0 || counted1[k] < 0) continue;
+    const std::string name = kCountedKeys[k];
+    const auto dot = name.rfind('.');
+    rec.integer(("calls_timed." + name.substr(dot + 1)).c_str(), counted1[k] - counted0[k]);
+  }
+  rec.emit();
+  cca::emptyCache();
+  for (size_t i = 1; i < l.streams; ++i) cudaStreamDestroy(streams[i]);
+}
+
 // ---- stitch cost
 
 void bench_stitch() {
@@ -405,7 +548,8 @@ int usage() {
   std::fprintf(stderr,
                "usage: latency --allocator native|expandable|gmlake [--lib PATH] [--conf K:V,...]\n"
                "               [--out FILE] [--quick] [--no-fixed] [--no-mixed] [--no-stitch]\n"
-               "               [--mixed-live N] [--mixed-min BYTES] [--mixed-max BYTES] [--mixed-ops N]\n");
+               "               [--mixed-live N] [--mixed-min BYTES] [--mixed-max BYTES] [--mixed-ops N]\n"
+               "               [--ops FILE [--ops-passes N]]\n");
   return 2;
 }
 
@@ -433,6 +577,8 @@ int main(int argc, char** argv) {
     else if (a == "--mixed-min") opt.mixed_min = std::stoull(need("--mixed-min"));
     else if (a == "--mixed-max") opt.mixed_max = std::stoull(need("--mixed-max"));
     else if (a == "--mixed-ops") opt.mixed_ops = std::stoull(need("--mixed-ops"));
+    else if (a == "--ops") opt.ops = need("--ops");
+    else if (a == "--ops-passes") opt.ops_passes = std::stoull(need("--ops-passes"));
     else if (a == "-h" || a == "--help") return usage(), 0;
     else {
       std::fprintf(stderr, "unknown argument %s\n", a.c_str());
@@ -497,6 +643,10 @@ int main(int argc, char** argv) {
       return 1;
     }
     release(alloc(512)); // CUDA context, allocator state
+    if (!opt.ops.empty()) {
+      bench_ops();
+      return 0;
+    }
     if (opt.fixed) bench_fixed();
     if (opt.allocator == "expandable") {
       void* p = alloc(64 * MiB);

@@ -2,7 +2,8 @@
 # Builds libgmlake_torch.so (cpp/) against PyPI's torch wheel and CUDA runtime headers on a
 # machine without a GPU, links it with -Wl,--no-undefined (a missing symbol fails the build),
 # and runs the C++ tests that need no GPU (the bridge over a simulated device; the run-time
-# install through torch's interface). This is what CI runs to prove the C++ side builds.
+# install through torch's interface), then builds bench/latency.cpp against the same wheel.
+# This is what CI runs to prove the C++ side builds.
 #
 #   scripts/build-torch-ext.sh [--out DIR]
 #
@@ -108,6 +109,15 @@ if symbols_links_libcuda "$LIB"; then
   echo "build-torch-ext: libgmlake_torch.so must not link libcuda (it is loaded at run time)" >&2; exit 1
 fi
 log "ok: $LIB ($(du -h "$LIB" | cut -f1)); needs: $(symbols_needed "$LIB")"
+
+# The allocator benchmark (bench/latency.cpp) builds and links against the same wheel, and
+# starts (its usage needs no GPU).
+TORCH_DIR="$TORCH_DIR" CUDA_INCLUDE="$CUDA_DIR/include" CUDART="$CUDART" \
+  bash bench/build-latency.sh "$BUILD_DIR/bench" >/dev/null 2>"$BUILD_DIR/latency-build.log" ||
+  { cat "$BUILD_DIR/latency-build.log" >&2; echo "build-torch-ext: bench/latency.cpp does not build" >&2; exit 1; }
+"$BUILD_DIR/bench/latency" --help 2>&1 | grep -q -- "--ops FILE" ||
+  { echo "build-torch-ext: build/bench/latency does not start" >&2; exit 1; }
+log "ok: bench/latency.cpp builds and starts"
 
 if [ -n "$OUT" ]; then
   mkdir -p "$OUT"

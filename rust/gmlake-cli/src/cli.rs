@@ -1,4 +1,5 @@
-//! The command line: `gmlake replay [OPTIONS] FILE...`, `gmlake tier-replay [OPTIONS] FILE...`.
+//! The command line: `gmlake replay [OPTIONS] FILE...`, `gmlake tier-replay [OPTIONS] FILE...`,
+//! `gmlake ops FILE --out FILE`.
 
 use clap::{Args, Parser, Subcommand};
 use gmlake_core::{parse_size, Config};
@@ -31,6 +32,25 @@ pub enum Command {
     /// way, evictions, prefetches, misses and the peak reserved memory with and without the
     /// tier. No GPU is needed.
     TierReplay(TierReplayArgs),
+    /// Write a snapshot's allocations and frees as an operation list: what bench/latency.cpp
+    /// (`--ops FILE`) replays through PyTorch's allocators and gmlake on a GPU, to time the
+    /// allocator alone on a real job's pattern. Prints what the list holds.
+    Ops(OpsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct OpsArgs {
+    /// The snapshot pickle (gzip-compressed accepted).
+    #[arg(value_name = "FILE")]
+    pub file: PathBuf,
+
+    /// Where to write the list.
+    #[arg(long, value_name = "FILE")]
+    pub out: PathBuf,
+
+    /// The device whose events to take (default: the one with the most events).
+    #[arg(long, value_name = "N")]
+    pub device: Option<usize>,
 }
 
 #[derive(Debug, Args)]

@@ -1,4 +1,4 @@
-//! The `gmlake` command-line tool. Its one subcommand so far, `gmlake replay`, replays memory
+//! The `gmlake` command-line tool. `gmlake replay` replays memory
 //! snapshots recorded by PyTorch through the GMLake allocator on a simulated device and
 //! reports the memory it would save.
 //!
@@ -8,13 +8,15 @@
 //! - [`series`]: the downsampled memory-over-time series for charts;
 //! - [`report`]: the table and JSON output; [`plot`]: the SVG chart;
 //! - [`cli`], [`app`], [`progress`], [`clock`]: the command itself;
-//! - [`tier`]: `gmlake tier-replay`, traces of host-tier operations (issue 16).
+//! - [`tier`]: `gmlake tier-replay`, traces of host-tier operations (issue 16);
+//! - [`ops`]: `gmlake ops`, a snapshot's allocations and frees as a list for timing allocators.
 
 pub mod app;
 pub mod cli;
 pub mod clock;
 pub use gmlake_core::cost;
 pub mod native;
+pub mod ops;
 pub mod plot;
 pub mod progress;
 pub mod replay;

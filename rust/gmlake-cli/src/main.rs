@@ -7,6 +7,7 @@ fn main() {
     let code = match &cli.command {
         Command::Replay(args) => run_replay(args),
         Command::TierReplay(args) => gmlake_cli::tier::run_tier_replay(args),
+        Command::Ops(args) => gmlake_cli::ops::run_ops(args),
     };
     std::process::exit(code);
 }

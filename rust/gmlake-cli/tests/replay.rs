@@ -845,3 +845,48 @@ fn busy_side_streams_show_the_fsdp2_fences_and_cross_stream_wait_takes_their_pag
     let one = |args: &[&str]| replay_row("decode.pickle", args)["peak_reserved_bytes"].clone();
     assert_eq!(one(&[]), one(&["--busy-side-streams"]));
 }
+
+/// `gmlake ops` writes every allocation of the trace once, each freed once, and refuses a
+/// device the trace does not have.
+#[test]
+fn ops_lists_every_allocation_once() {
+    use gmlake_cli::ops::{Op, Ops};
+    let dir = scratch("ops");
+    let out_path = dir.join("moe.ops");
+    let t = trace("moe.pickle");
+    let out = gmlake(&[
+        "ops".as_ref(),
+        t.as_os_str(),
+        "--out".as_ref(),
+        out_path.as_os_str(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let ops = Ops::from_bytes(&std::fs::read(&out_path).unwrap()).unwrap();
+    let snapshot = read_snapshot(&t);
+    let allocs = snapshot.device_traces[0]
+        .iter()
+        .filter(|e| e.action == "alloc")
+        .count();
+    assert_eq!(ops.allocs(), allocs);
+    assert_eq!(ops.ops.len(), 2 * allocs);
+    let first = ops.ops.iter().find_map(|o| match o {
+        Op::Alloc { size, .. } => Some(*size),
+        Op::Free { .. } => None,
+    });
+    let first_event = snapshot.device_traces[0]
+        .iter()
+        .find(|e| e.action == "alloc")
+        .and_then(|e| e.size);
+    assert_eq!(first, first_event);
+    assert!(text(&out.stdout).contains(&format!("{allocs} allocations")));
+    let bad = gmlake(&[
+        "ops".as_ref(),
+        t.as_os_str(),
+        "--device".as_ref(),
+        "7".as_ref(),
+        "--out".as_ref(),
+        out_path.as_os_str(),
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(text(&bad.stderr).contains("--device 7 is not one"));
+}
