@@ -304,16 +304,26 @@ def driver_calls_by_kind() -> Optional[Dict[str, int]]:
     out = {k[len("gmlake.driver_calls."):]: int(v) for k, v in st.items()
            if k.startswith("gmlake.driver_calls.")}
     out["total"] = int(st.get("gmlake.driver_calls", 0))
+    # With `host_timing` on: the allocator's own time so far (not a call kind; run_steps
+    # takes it out).
+    if "gmlake.host_ns_alloc" in st:
+        out[HOST_NS] = int(st["gmlake.host_ns_alloc"]) + int(st.get("gmlake.host_ns_free", 0))
     return out
+
+
+# The key of driver_calls_by_kind's result that holds the allocator's time in ns.
+HOST_NS = "host_ns"
 
 
 
 def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from: int,
               calls_out: Optional[List[int]] = None,
-              kinds_out: Optional[Dict[str, int]] = None) -> List[float]:
+              kinds_out: Optional[Dict[str, int]] = None,
+              host_ms_out: Optional[List[float]] = None) -> List[float]:
     """Runs the steps; times the ones from `timed_from`. With `calls_out`, appends gmlake's
     driver calls made by each timed step (read between steps, outside the timing); with
-    `kinds_out`, adds them up by kind over the timed steps."""
+    `kinds_out`, adds them up by kind over the timed steps; with `host_ms_out`, appends the
+    milliseconds each timed step spent in gmlake's allocations and frees (`host_timing`)."""
     times = []
     for i, shape in enumerate(shapes):
         _fake_oom(args, batch)
@@ -329,9 +339,12 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
                 after = driver_calls_by_kind()
                 if after is not None:
                     calls_out.append(after["total"] - before["total"])
+                    if host_ms_out is not None and HOST_NS in after:
+                        host_ms_out.append((after[HOST_NS] - before.get(HOST_NS, 0)) / 1e6)
                     if kinds_out is not None:
                         for k, v in after.items():
-                            kinds_out[k] = kinds_out.get(k, 0) + v - before.get(k, 0)
+                            if k != HOST_NS:
+                                kinds_out[k] = kinds_out.get(k, 0) + v - before.get(k, 0)
     return times
 
 
@@ -343,7 +356,13 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
     try:
         calls: List[int] = []
         kinds: Dict[str, int] = {}
-        times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls, kinds)
+        host_ms: List[float] = []
+        times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls, kinds,
+                          host_ms)
+        if host_ms:
+            # `host_timing`: the allocator's own time in each step, and its median.
+            rec["allocator_ms_per_step"] = [round(x, 3) for x in host_ms]
+            rec["median_allocator_ms_per_step"] = statistics.median(host_ms)
         if calls:
             rec["driver_calls_per_step"] = calls
             # Over all timed steps, by kind: what the replay's cost model (cost.rs) is

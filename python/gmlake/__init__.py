@@ -399,7 +399,10 @@ def stats(device=None) -> Dict[str, Any]:
     windows not taken because the stream had not yet finished the work queued before their
     addresses were freed), ``gmlake.reuses_awaited`` (such windows taken after waiting for
     that work, up to a millisecond), ``gmlake.alias_evictions``,
-    ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``. (No device free memory: reading it can
+    ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``, and with
+    ``host_timing`` on, the time spent in allocations and frees and the calls timed:
+    ``gmlake.host_ns_alloc``, ``gmlake.host_calls_alloc``, ``gmlake.host_ns_free``,
+    ``gmlake.host_calls_free``. (No device free memory: reading it can
     wait for the GPU; use ``torch.cuda.mem_get_info()``.)
     Raises ``RuntimeError`` if gmlake is not installed."""
     if not is_enabled():

@@ -91,6 +91,13 @@ pub struct Config {
     /// that always has work queued (FSDP2's all-gather stream) costs new memory at every such
     /// miss (FSDP2 on two H200s: 0.94 utilization without, 0.99 with, same step time).
     pub cross_stream_wait: bool,
+    /// `host_timing`: the bridge to PyTorch (gmlake-ffi) times every allocation and free it
+    /// passes to the core (lock, bookkeeping, driver calls) and reports the totals in
+    /// `memory_stats()` as `gmlake.host_ns_alloc`, `gmlake.host_ns_free` and the calls timed,
+    /// `gmlake.host_calls_alloc` and `gmlake.host_calls_free`: the allocator's own share of a
+    /// step, read in the job itself. Off by default: two clock readings a call (about 40 ns).
+    /// The core does not read it.
+    pub host_timing: bool,
 }
 
 /// Intervals of `roundup_power2_divisions`, as PyTorch's (1 MiB to 64 GiB).
@@ -115,6 +122,7 @@ impl Default for Config {
             debug: crate::debug::DebugConfig::default(),
             util_target: None,
             cross_stream_wait: true,
+            host_timing: false,
         }
     }
 }
@@ -140,6 +148,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "debug_canary_bytes",
     "util_target",
     "cross_stream_wait",
+    "host_timing",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -406,6 +415,7 @@ impl Config {
                 };
             }
             "cross_stream_wait" | "crossstreamwait" => self.cross_stream_wait = parse_bool(key, v)?,
+            "host_timing" | "hosttiming" => self.host_timing = parse_bool(key, v)?,
             "small_size" | "smallsize" => {
                 let s = size(key)?;
                 if s == 0 || s > 1 << 30 {
@@ -512,6 +522,7 @@ impl Config {
                 "cross_stream_wait",
                 (self.cross_stream_wait as u8).to_string(),
             ),
+            ("host_timing", (self.host_timing as u8).to_string()),
             (
                 "memory_fraction",
                 self.memory_fraction
@@ -622,6 +633,11 @@ mod tests {
         assert!(c.cross_stream_wait);
         let e = c.set("cross_stream_wait", "sometimes").unwrap_err();
         assert!(e.to_string().contains("cross_stream_wait"), "{e}");
+        assert!(!c.host_timing, "off by default");
+        c.set("host_timing", "1").unwrap();
+        assert!(c.host_timing);
+        let e = c.set("host_timing", "sometimes").unwrap_err();
+        assert!(e.to_string().contains("host_timing"), "{e}");
     }
 
     #[test]

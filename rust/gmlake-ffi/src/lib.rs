@@ -25,6 +25,7 @@ use gmlake_core::{
     StatArray, TraceAction,
 };
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 pub use tier::GmlakeTier;
 
 pub use backend::PeerAccess;
@@ -475,6 +476,52 @@ pub struct Gmlake {
     alloc: std::sync::Arc<Alloc>,
     ordinal: i32,
     backend: &'static str,
+    /// `host_timing`: time spent in allocations and frees, when on.
+    timing: Option<HostTiming>,
+}
+
+/// Nanoseconds spent in the core's allocate and free calls, and how many were timed
+/// (`host_timing`). Relaxed atomics: totals read now and then, never ordered against anything.
+#[derive(Default)]
+struct HostTiming {
+    alloc_ns: AtomicU64,
+    alloc_calls: AtomicU64,
+    free_ns: AtomicU64,
+    free_calls: AtomicU64,
+}
+
+impl HostTiming {
+    fn for_config(c: &Config) -> Option<HostTiming> {
+        c.host_timing.then(HostTiming::default)
+    }
+
+    /// Runs `f`, adding its time to `(ns, calls)` of `timing` when there is one.
+    fn time<T>(timing: Option<&HostTiming>, alloc: bool, f: impl FnOnce() -> T) -> T {
+        let Some(t) = timing else {
+            return f();
+        };
+        let t0 = std::time::Instant::now();
+        let out = f();
+        let ns = t0.elapsed().as_nanos() as u64;
+        let (total, calls) = if alloc {
+            (&t.alloc_ns, &t.alloc_calls)
+        } else {
+            (&t.free_ns, &t.free_calls)
+        };
+        total.fetch_add(ns, Ordering::Relaxed);
+        calls.fetch_add(1, Ordering::Relaxed);
+        out
+    }
+
+    /// The `gmlake.host_*` entries of `memory_stats()`.
+    fn entries(&self) -> [(&'static str, u64); 4] {
+        [
+            ("host_ns_alloc", self.alloc_ns.load(Ordering::Relaxed)),
+            ("host_calls_alloc", self.alloc_calls.load(Ordering::Relaxed)),
+            ("host_ns_free", self.free_ns.load(Ordering::Relaxed)),
+            ("host_calls_free", self.free_calls.load(Ordering::Relaxed)),
+        ]
+    }
 }
 
 /// The message of a panic payload.
@@ -519,11 +566,13 @@ fn pairs(c: &Config) -> Vec<KeyValue> {
 fn new_cuda_allocator(device: i32, conf: &str) -> Result<Box<Gmlake>, String> {
     guard("new_cuda_allocator", || {
         let config = config_from(conf)?;
+        let timing = HostTiming::for_config(&config);
         new_cuda_alloc(device, config).map(|alloc| {
             Box::new(Gmlake {
                 alloc,
                 ordinal: device,
                 backend: "cuda",
+                timing,
             })
         })
     })
@@ -562,12 +611,14 @@ fn new_simulated_allocator(
         } else {
             SimDevice::with_granularity(capacity, granularity)
         };
+        let timing = HostTiming::for_config(&config);
         let alloc = make_alloc(dev, config)
             .map_err(|e| format!("gmlake: cannot create the simulated allocator: {e}"))?;
         Ok(Box::new(Gmlake {
             alloc,
             ordinal: -1,
             backend: "simulated",
+            timing,
         }))
     })
 }
@@ -811,7 +862,10 @@ impl Gmlake {
         f: impl FnOnce(&Alloc) -> gmlake_core::Result<u64>,
     ) -> AllocOutcome {
         let a = &*self.alloc;
-        match guard("allocate", || Ok(f(a))) {
+        let done = HostTiming::time(self.timing.as_ref(), true, || {
+            guard("allocate", || Ok(f(a)))
+        });
+        match done {
             Ok(Ok(ptr)) => AllocOutcome {
                 ptr,
                 ..AllocOutcome::default()
@@ -911,7 +965,9 @@ impl Gmlake {
     }
 
     fn free_ptr(&self, ptr: u64) -> FreeOutcome {
-        self.free_with("free", |a| a.free(ptr))
+        HostTiming::time(self.timing.as_ref(), false, || {
+            self.free_with("free", |a| a.free(ptr))
+        })
     }
 
     fn record_stream(&self, ptr: u64, stream: u64) -> FreeOutcome {
@@ -960,6 +1016,9 @@ impl Gmlake {
             // The largest free mapped block (what one request can get without stitching or
             // new memory): for fragmentation metrics.
             extra.push(("largest_free_block", a.cache_info().largest_free_block));
+            if let Some(t) = &self.timing {
+                extra.extend(t.entries());
+            }
             Ok(json::stats(&s, &extra))
         })
     }

@@ -398,3 +398,37 @@ fn cross_stream_waits_reach_the_device_through_the_bridge() {
     let (grown, waits, _) = run("cross_stream_wait:0");
     assert_eq!((grown, waits), (40 * MIB, 0), "without it, new memory");
 }
+
+#[test]
+fn host_timing_counts_the_calls_it_times_and_is_absent_when_off() {
+    let counter = |j: &str, k: &str| -> Option<u64> {
+        let key = format!("\"gmlake.{k}\":");
+        let at = j.find(&key)? + key.len();
+        j[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
+    };
+    let off = sim(GIB, "");
+    let r = off.allocate(MIB, 0);
+    off.free_ptr(r.ptr);
+    assert_eq!(
+        counter(&off.stats_json().unwrap(), "host_calls_alloc"),
+        None
+    );
+
+    let a = sim(GIB, "host_timing:1");
+    let ptrs: Vec<u64> = (0..5).map(|i| a.allocate((i + 1) * MIB, 0).ptr).collect();
+    for &p in &ptrs[..3] {
+        assert_eq!(a.free_ptr(p).status, FreeStatus::Done);
+    }
+    // A failed free is timed too: it is a call the job made.
+    assert_eq!(a.free_ptr(0xdead_0000).status, FreeStatus::UnknownPointer);
+    let j = a.stats_json().unwrap();
+    assert_eq!(counter(&j, "host_calls_alloc"), Some(5), "{j}");
+    assert_eq!(counter(&j, "host_calls_free"), Some(4), "{j}");
+    // Creating and mapping pages takes time even on the simulated device.
+    assert!(counter(&j, "host_ns_alloc").unwrap() > 0, "{j}");
+    assert!(counter(&j, "host_ns_free").is_some(), "{j}");
+}
