@@ -368,3 +368,15 @@ def test_gpu_check_on_the_bundled_fsdp_trace(capsys):
     assert gc.main([str(trace), "--json"]) == 0
     r = json.loads(capsys.readouterr().out.splitlines()[0])
     assert r["within_tolerance"] and abs(r["reserved_diff"]) <= 0.02, r
+
+
+def test_the_allocators_own_time_is_shown_when_recorded():
+    recs = synthetic()
+    for r in recs:
+        if r.get("kind") == "workload" and r["workload"] == "moe" and r["allocator"] == "gmlake":
+            r["allocator_ms_per_step"] = [1.2, 1.5, 1.4]
+            r["median_allocator_ms_per_step"] = 1.4
+    md = "\n".join(report.workload_lines(report.Results(recs)))
+    moe = md.split("### moe")[1].split("###")[0]
+    assert "allocator 1.40 ms a step (median, host_timing)" in moe
+    assert md.count("ms a step (median, host_timing)") == 1, "only where it was recorded"
