@@ -172,7 +172,7 @@ def test_workload_help_needs_no_torch(w):
 
 
 def test_run_script_syntax():
-    for s in ("run-gpu.sh", "build-latency.sh", "deepspeed/run.sh", "deepspeed/wheels.sh"):
+    for s in ("run-gpu.sh", "build-latency.sh", "ops-gpu.sh", "deepspeed/run.sh", "deepspeed/wheels.sh"):
         r = subprocess.run(["bash", "-n", str(BENCH / s)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
@@ -380,3 +380,33 @@ def test_the_allocators_own_time_is_shown_when_recorded():
     moe = md.split("### moe")[1].split("###")[0]
     assert "allocator 1.40 ms a step (median, host_timing)" in moe
     assert md.count("ms a step (median, host_timing)") == 1, "only where it was recorded"
+
+
+def test_ops_gpu_refuses_missing_inputs_and_prints_its_table(tmp_path):
+    """bench/ops-gpu.sh: usage without arguments, a missing library named, and its table read
+    from latency --ops records (the part that runs after the GPU work)."""
+    r = subprocess.run(["bash", str(BENCH / "ops-gpu.sh")], capture_output=True, text=True)
+    assert r.returncode == 2 and "--prepare" in r.stderr
+    r = subprocess.run(["bash", str(BENCH / "ops-gpu.sh"), str(tmp_path), str(tmp_path / "no.so")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "no library at" in r.stderr
+    script = (BENCH / "ops-gpu.sh").read_text()
+    table = script.split("python3 - \"$O/ops.jsonl\" <<'PY'\n")[1].split("\nPY\n")[0]
+    recs = [
+        {"kind": "latency", "test": "ops", "ops_file": "moe.ops", "allocator": "native",
+         "ns_per_op": 500.0, "utilization": 0.67, "repeat_ns_per_op": [450.0], "repeat_driver_calls": -1},
+        {"kind": "latency", "test": "ops", "ops_file": "moe.ops", "allocator": "gmlake",
+         "ns_per_op": 800.0, "utilization": 0.92, "repeat_ns_per_op": [900.0], "repeat_driver_calls": 195,
+         "calls_timed.map": 3, "calls_timed.set_access": 2, "calls_timed.record_event": 7,
+         "counters_timed.pages_stitched": 3},
+        {"kind": "latency", "test": "mixed", "allocator": "native"},
+    ]
+    p = tmp_path / "ops.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = subprocess.run([sys.executable, "-c", table, str(p)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()[1:]]
+    assert rows[0][:4] == ["moe", "native", "500", "-"]
+    # Driver calls: the mapping kinds only (events are not counted), and the repeat's calls.
+    assert rows[1][:4] == ["moe", "gmlake", "800", "5"] and rows[1][-1] == "(195)"
+    assert len(rows) == 2

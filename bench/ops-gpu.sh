@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The allocator alone on recorded jobs (docs/benchmarks.md, "The allocator's own time on
+# recorded jobs"): bench/latency.cpp --ops over operation lists, each allocator in its own
+# process, interleaved per list: native, expandable, gmlake, native again.
+#
+#   bash bench/ops-gpu.sh --prepare [DIR]        # here (needs cargo): one list per bundled trace
+#   bash bench/ops-gpu.sh DIR LIB [LIST...]      # on the GPU machine (no Rust needed there)
+#
+# --prepare writes DIR/NAME.ops (default .artifacts/ops) from every tests/traces/*.pickle* with
+# `gmlake ops`; carry DIR with the library. The run builds build/bench/latency, writes
+# $OUT/bench/ops.jsonl (one record per run) and prints a table: ns per operation in each list's
+# second half (its steady state), gmlake's driver calls there, then the whole list repeated.
+# Environment: GMLAKE_CONF (gmlake's settings, e.g. page_size:8MiB), OPS_PASSES (default 3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = --prepare ]; then
+  dir=${2:-.artifacts/ops}
+  mkdir -p "$dir"
+  cargo build --release -q -p gmlake-cli || exit 1
+  for t in tests/traces/*.pickle*; do
+    name=$(basename "$t"); name=${name%%.pickle*}
+    target/release/gmlake ops "$t" --out "$dir/$name.ops" || exit 1
+  done
+  exit 0
+fi
+[ $# -ge 2 ] || { sed -n 2,13p "$0" >&2; exit 2; }
+dir=$1
+[ -f "$2" ] || { echo "ops-gpu: no library at $2" >&2; exit 2; }
+lib=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
+shift 2
+lists=("$@")
+if [ ${#lists[@]} -eq 0 ]; then
+  for f in "$dir"/*.ops; do lists+=("$(basename "$f" .ops)"); done
+fi
+[ ${#lists[@]} -gt 0 ] || { echo "ops-gpu: no .ops file in $dir (bash bench/ops-gpu.sh --prepare)" >&2; exit 2; }
+O=${OUT:-bench/out}/bench
+mkdir -p "$O"
+unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
+bash bench/build-latency.sh build/bench >"$O/ops-build.log" 2>&1 || { tail -20 "$O/ops-build.log"; exit 1; }
+for name in "${lists[@]}"; do
+  for a in native expandable gmlake native; do
+    env_=()
+    [ "$a" = expandable ] && env_=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+    env "${env_[@]}" timeout -k 5 120 build/bench/latency --allocator "$a" --lib "$lib" \
+      ${GMLAKE_CONF:+--conf "$GMLAKE_CONF"} --ops "$dir/$name.ops" --ops-passes "${OPS_PASSES:-3}" \
+      --out "$O/ops.jsonl" >/dev/null 2>>"$O/ops.log" || echo "$name/$a exited with $?"
+  done
+done
+python3 - "$O/ops.jsonl" <<'PY'
+import json, sys
+print(f"{'list':<22} {'allocator':<11} {'ns/op':>8} {'calls':>7} {'util':>6}  repeated passes ns/op (calls)")
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("test") != "ops":
+        continue
+    calls = sum(v for k, v in r.items() if k.startswith("calls_timed.") and k.split(".")[1] in
+                ("map", "unmap", "set_access", "create_physical", "release_physical"))
+    calls = calls if r["allocator"] == "gmlake" else "-"
+    rep = ", ".join(f"{x:.0f}" for x in r.get("repeat_ns_per_op", []))
+    rc = r.get("repeat_driver_calls", -1)
+    print(f"{r['ops_file'][:-4]:<22} {r['allocator']:<11} {r['ns_per_op']:>8.0f} {calls:>7} "
+          f"{r['utilization']:>6.3f}  {rep}" + (f" ({rc})" if rc >= 0 else ""))
+PY
