@@ -384,14 +384,15 @@ bool read_ops(const std::string& path, OpList& l, std::string& why) {
   return true;
 }
 
-void bench_ops() {
+// False (after a latency_error record) when the list cannot be read or run.
+bool bench_ops() {
   OpList l;
   std::string why;
   if (!read_ops(opt.ops, l, why)) {
     Rec rec("latency_error");
     rec.str("error", why);
     rec.emit();
-    return;
+    return false;
   }
   // Stream 0 is the default stream; the others are made here (c10's stream pool needs
   // libtorch_cuda's hooks, which this program does not load).
@@ -401,7 +402,7 @@ void bench_ops() {
       Rec rec("latency_error");
       rec.str("error", "cudaStreamCreateWithFlags failed");
       rec.emit();
-      return;
+      return false;
     }
   }
   std::vector<void*> live(l.slots, nullptr);
@@ -466,6 +467,7 @@ void bench_ops() {
   rec.emit();
   cca::emptyCache();
   for (size_t i = 1; i < l.streams; ++i) cudaStreamDestroy(streams[i]);
+  return true;
 }
 
 // ---- stitch cost
@@ -649,8 +651,7 @@ int main(int argc, char** argv) {
     }
     release(alloc(512)); // CUDA context, allocator state
     if (!opt.ops.empty()) {
-      bench_ops();
-      return 0;
+      return bench_ops() ? 0 : 1;
     }
     if (opt.fixed) bench_fixed();
     if (opt.allocator == "expandable") {

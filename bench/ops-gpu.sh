@@ -38,6 +38,10 @@ mkdir -p "$O"
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 bash bench/build-latency.sh build/bench >"$O/ops-build.log" 2>&1 || { tail -20 "$O/ops-build.log"; exit 1; }
 for name in "${lists[@]}"; do
+  if [ ! -f "$dir/$name.ops" ]; then
+    echo "ops-gpu: no list $dir/$name.ops" >&2
+    continue
+  fi
   for a in native expandable gmlake native; do
     env_=()
     [ "$a" = expandable ] && env_=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
