@@ -10,7 +10,10 @@
 # `gmlake ops`; carry DIR with the library. The run builds build/bench/latency, writes
 # $OUT/bench/ops.jsonl (one record per run) and prints a table: ns per operation in each list's
 # second half (its steady state), gmlake's driver calls there, then the whole list repeated.
-# Environment: GMLAKE_CONF (gmlake's settings, e.g. page_size:8MiB), OPS_PASSES (default 3).
+# Environment: GMLAKE_CONF (gmlake's settings, e.g. page_size:8MiB), OPS_PASSES (default 3),
+# OPS_ROUNDS (default 1): rounds of the whole interleaved order; with more than one, a last
+# table gives each allocator's median over its runs (a single run of a short list moves by
+# 20-30% on the GPU machine's host).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = --prepare ]; then
@@ -37,21 +40,24 @@ O=${OUT:-bench/out}/bench
 mkdir -p "$O"
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 bash bench/build-latency.sh build/bench >"$O/ops-build.log" 2>&1 || { tail -20 "$O/ops-build.log"; exit 1; }
-for name in "${lists[@]}"; do
-  if [ ! -f "$dir/$name.ops" ]; then
-    echo "ops-gpu: no list $dir/$name.ops" >&2
-    continue
-  fi
-  for a in native expandable gmlake native; do
-    env_=()
-    [ "$a" = expandable ] && env_=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
-    env "${env_[@]}" timeout -k 5 120 build/bench/latency --allocator "$a" --lib "$lib" \
-      ${GMLAKE_CONF:+--conf "$GMLAKE_CONF"} --ops "$dir/$name.ops" --ops-passes "${OPS_PASSES:-3}" \
-      --out "$O/ops.jsonl" >/dev/null 2>>"$O/ops.log" || echo "$name/$a exited with $?"
+for ((round = 1; round <= ${OPS_ROUNDS:-1}; round++)); do
+  for name in "${lists[@]}"; do
+    if [ ! -f "$dir/$name.ops" ]; then
+      [ "$round" = 1 ] && echo "ops-gpu: no list $dir/$name.ops" >&2
+      continue
+    fi
+    for a in native expandable gmlake native; do
+      env_=()
+      [ "$a" = expandable ] && env_=(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+      env "${env_[@]}" timeout -k 5 120 build/bench/latency --allocator "$a" --lib "$lib" \
+        ${GMLAKE_CONF:+--conf "$GMLAKE_CONF"} --ops "$dir/$name.ops" --ops-passes "${OPS_PASSES:-3}" \
+        --out "$O/ops.jsonl" >/dev/null 2>>"$O/ops.log" || echo "$name/$a exited with $?"
+    done
   done
 done
 python3 - "$O/ops.jsonl" <<'PY'
-import json, sys
+import json, statistics, sys
+runs = {}
 print(f"{'list':<22} {'allocator':<11} {'ns/op':>8} {'calls':>7} {'util':>6}  repeated passes ns/op (calls)")
 for line in open(sys.argv[1]):
     r = json.loads(line)
@@ -64,4 +70,11 @@ for line in open(sys.argv[1]):
     rc = r.get("repeat_driver_calls", -1)
     print(f"{r['ops_file'][:-4]:<22} {r['allocator']:<11} {r['ns_per_op']:>8.0f} {calls:>7} "
           f"{r['utilization']:>6.3f}  {rep}" + (f" ({rc})" if rc >= 0 else ""))
+    runs.setdefault((r["ops_file"][:-4], r["allocator"]), []).append(r["ns_per_op"])
+if any(len(v) > 2 for v in runs.values()):
+    print(f"\n{'list':<22} {'allocator':<11} {'median ns/op':>12} {'runs':>5}  gmlake / faster baseline")
+    for (name, a), v in runs.items():
+        base = [statistics.median(runs[(name, b)]) for b in ("native", "expandable") if (name, b) in runs]
+        ratio = f"{statistics.median(v) / min(base):.2f}" if a == "gmlake" and base else ""
+        print(f"{name:<22} {a:<11} {statistics.median(v):>12.0f} {len(v):>5}  {ratio}")
 PY
