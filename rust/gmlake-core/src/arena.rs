@@ -71,6 +71,17 @@ pub(crate) enum Take {
 /// How many blocks the quick lists of one arena hold before they are flushed.
 const QUICK_CAPACITY: usize = 256;
 
+/// How many sizes' (empty) quick lists a flush keeps for reuse.
+const QUICK_SIZES_KEPT: usize = 1024;
+
+/// The quick list of one size: its blocks, lowest address first out.
+#[derive(Default)]
+struct QuickList {
+    heap: BinaryHeap<Reverse<u64>>,
+    /// In `quick_sizes` (so a flush drains it).
+    listed: bool,
+}
+
 /// Walks an arena's regions that hold lent blocks (`Arena::lent_regions_from`).
 pub(crate) struct LentRegions<'a> {
     arena: &'a Arena,
@@ -189,7 +200,10 @@ pub(crate) struct Arena {
     /// Lent blocks by address, for the reuse scan.
     lent_addrs: BTreeSet<u64>,
     /// size -> quick blocks of that size, lowest address first (as best fit would pick).
-    quick: rustc_hash::FxHashMap<u64, BinaryHeap<Reverse<u64>>>,
+    quick: rustc_hash::FxHashMap<u64, QuickList>,
+    /// The sizes whose list is `listed`, each once: a superset of the non-empty lists, what a
+    /// flush drains.
+    quick_sizes: Vec<u64>,
     quick_len: usize,
     /// The addresses a flush of the quick lists coalesces (kept to reuse its allocation).
     flush_buf: Vec<u64>,
@@ -224,6 +238,7 @@ impl Arena {
             lent_age: BTreeSet::new(),
             lent_addrs: BTreeSet::new(),
             quick: rustc_hash::FxHashMap::default(),
+            quick_sizes: Vec::new(),
             quick_len: 0,
             flush_buf: Vec::new(),
             free_mapped_bytes: 0,
@@ -644,7 +659,12 @@ impl Arena {
         self.live_blocks -= 1;
         self.free_mapped_bytes += size;
         self.free_mapped_count += 1;
-        self.quick.entry(size).or_default().push(Reverse(addr));
+        let list = self.quick.entry(size).or_default();
+        if !list.listed {
+            list.listed = true;
+            self.quick_sizes.push(size);
+        }
+        list.heap.push(Reverse(addr));
         self.quick_len += 1;
         self.last_free = now;
         Some(size)
@@ -657,7 +677,7 @@ impl Arena {
 
     /// The most recently freed quick block of exactly `size` bytes, made live again.
     pub fn take_quick(&mut self, size: u64) -> Option<u64> {
-        let Reverse(addr) = self.quick.get_mut(&size)?.pop()?;
+        let Reverse(addr) = self.quick.get_mut(&size)?.heap.pop()?;
         self.quick_len -= 1;
         let b = self.blocks.get_mut(&addr)?;
         b.state = BlockState::Live;
@@ -675,8 +695,17 @@ impl Arena {
         // Drained in place, into a buffer kept from flush to flush: random sizes flush at
         // nearly every allocation, and a map taken whole was allocated again each time.
         let mut addrs = std::mem::take(&mut self.flush_buf);
-        for (_, heap) in self.quick.drain() {
-            addrs.extend(heap.into_iter().map(|Reverse(a)| a));
+        // The lists are emptied, not dropped: a periodic job frees the same sizes again, and
+        // dropping them allocated a list anew at nearly every free. The sizes seen are
+        // forgotten once there are many (random sizes).
+        for size in self.quick_sizes.drain(..) {
+            if let Some(list) = self.quick.get_mut(&size) {
+                addrs.extend(list.heap.drain().map(|Reverse(a)| a));
+                list.listed = false;
+            }
+        }
+        if self.quick.len() > QUICK_SIZES_KEPT {
+            self.quick.clear();
         }
         for &addr in &addrs {
             if let Some(b) = self.blocks.get(&addr).copied() {
@@ -1156,7 +1185,7 @@ impl Arena {
                         if !self
                             .quick
                             .get(&b.size)
-                            .is_some_and(|v| v.iter().any(|r| r.0 == a))
+                            .is_some_and(|v| v.listed && v.heap.iter().any(|r| r.0 == a))
                         {
                             return Err(format!("I5: quick block {a:#x} not in its list"));
                         }
@@ -1377,6 +1406,50 @@ mod tests {
         assert_eq!(a.take_quick(3000), Some(p));
         assert_eq!(a.take_quick(3000), None);
         assert_eq!(a.live_blocks, 1);
+        a.check().unwrap();
+    }
+
+    #[test]
+    fn quick_lists_are_kept_across_flushes_and_listed_once() {
+        let mut a = arena(false);
+        a.add_chunk(BASE, 8 * P);
+        let p = place(&mut a, 3000, 1);
+        // Freed and taken again and again with no flush in between (a loop of one size):
+        // its size is listed for the next flush once, not once a free.
+        for t in 2..1000 {
+            assert_eq!(a.release(p, t), Some(3000));
+            assert_eq!(a.take_quick(3000), Some(p));
+        }
+        assert_eq!(a.quick_sizes, vec![3000]);
+        a.release(p, 1000);
+        a.flush_quick();
+        assert!(a.quick_sizes.is_empty());
+        assert!(
+            a.quick
+                .get(&3000)
+                .is_some_and(|l| l.heap.is_empty() && !l.listed),
+            "the emptied list stays for the size's next free"
+        );
+        a.check().unwrap();
+        let q = place(&mut a, 3000, 1001);
+        assert_eq!(a.release(q, 1002), Some(3000));
+        assert_eq!(a.quick_sizes, vec![3000]);
+        a.check().unwrap();
+        assert_eq!(a.take_quick(3000), Some(q));
+        // Many sizes: the emptied lists are dropped past QUICK_SIZES_KEPT.
+        let mut a = arena(false);
+        a.add_chunk(BASE, 80_000 * P);
+        let ps: Vec<u64> = (0..QUICK_SIZES_KEPT as u64 + 10)
+            .map(|i| place(&mut a, 512 * (i + 1), i))
+            .collect();
+        for (i, &p) in ps.iter().enumerate() {
+            a.release(p, 5000 + i as u64);
+            if a.quick_full() {
+                a.flush_quick();
+            }
+        }
+        a.flush_quick();
+        assert!(a.quick.len() <= QUICK_SIZES_KEPT);
         a.check().unwrap();
     }
 
