@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds bench/latency.cpp against the installed torch (python3's) into ${1:-build/bench}/latency.
+# Builds bench/latency.cpp against the installed torch (python3's) into ${1:-build/bench}/latency,
+# and its reader's test (bench/tests/latency_ops_test.cpp, no GPU needed) beside it.
 #   TORCH_DIR     torch package folder (default: asked from python3)
 #   CUDA_INCLUDE  folder with cuda_runtime_api.h (default: CUDA_HOME/include, /usr/local/cuda/include,
 #                 torch's nvidia/cu*/include)
@@ -47,8 +48,11 @@ fi
 cudart_dir=$(dirname "$CUDART")
 echo "build-latency: torch $TORCH_DIR (cxx11 abi $abi), CUDA headers $CUDA_INCLUDE, runtime $CUDART"
 set -x
-g++ -O2 -std=c++17 -Wall -Wno-unused-parameter -D_GLIBCXX_USE_CXX11_ABI="$abi" \
-  -isystem "$TORCH_DIR/include" -isystem "$CUDA_INCLUDE" ${extra_inc[@]+"${extra_inc[@]}"} \
-  bench/latency.cpp -o "$dest/latency" \
-  -L"$TORCH_DIR/lib" -lc10_cuda -lc10 "$CUDART" -ldl \
-  -Wl,-rpath,"$TORCH_DIR/lib:$cudart_dir"
+for src in bench/latency.cpp bench/tests/latency_ops_test.cpp; do
+  out=$(basename "$src" .cpp)
+  g++ -O2 -std=c++17 -Wall -Wno-unused-parameter -Wno-unused-function -D_GLIBCXX_USE_CXX11_ABI="$abi" \
+    -isystem "$TORCH_DIR/include" -isystem "$CUDA_INCLUDE" ${extra_inc[@]+"${extra_inc[@]}"} \
+    "$src" -o "$dest/$out" \
+    -L"$TORCH_DIR/lib" -lc10_cuda -lc10 "$CUDART" -ldl \
+    -Wl,-rpath,"$TORCH_DIR/lib:$cudart_dir"
+done

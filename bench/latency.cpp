@@ -354,32 +354,49 @@ bool read_ops(const std::string& path, OpList& l, std::string& why) {
     why = "cannot open " + path;
     return false;
   }
-  uint64_t h[4] = {0, 0, 0, 0};
-  const bool head = std::fread(h, sizeof(uint64_t), 4, f) == 4;
+  std::vector<uint64_t> w;
+  uint64_t buf[4096];
+  size_t got = 0;
+  while ((got = std::fread(buf, sizeof(uint64_t), 4096, f)) > 0) w.insert(w.end(), buf, buf + got);
+  const bool whole = std::feof(f) && !std::ferror(f);
+  std::fclose(f);
   uint64_t magic = 0;
   std::memcpy(&magic, "GMLKOPS1", 8);
-  if (!head || h[0] != magic) {
-    std::fclose(f);
+  if (!whole || w.size() < 4 || w[0] != magic) {
     why = path + " is not an operation list (write one with `gmlake ops SNAPSHOT --out FILE`)";
     return false;
   }
-  l.streams = h[1];
-  l.slots = h[2];
-  std::vector<uint64_t> w(2 * h[3]);
-  const bool body = std::fread(w.data(), sizeof(uint64_t), w.size(), f) == w.size();
-  std::fclose(f);
-  if (!body || l.streams > 128) {
-    why = path + ": shorter than its header says, or more than 128 streams";
+  const uint64_t n = w[3];
+  l.streams = w[1];
+  l.slots = w[2];
+  // The checks of `Ops::from_bytes` (rust/gmlake-cli/src/ops.rs): sizes from the header
+  // against the file's, and every operation against its slot's state.
+  if (n == 0 || n > (w.size() - 4) / 2 || w.size() != 4 + 2 * n || l.streams > 128 || l.slots > n) {
+    why = path + ": its header (" + std::to_string(n) + " operations, " + std::to_string(l.slots) +
+          " slots, " + std::to_string(l.streams) + " streams) does not match its " +
+          std::to_string(w.size()) + " words";
     return false;
   }
-  for (size_t i = 0; i < h[3]; ++i) {
-    const uint64_t x = w[2 * i];
-    if ((x >> 8) >= l.slots || ((x & 1) == 0 && ((x >> 1) & 0x7f) >= l.streams)) {
-      why = path + ": operation " + std::to_string(i) + " names a slot or stream out of range";
+  std::vector<bool> full(l.slots, false);
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t x = w[4 + 2 * i], size = w[5 + 2 * i];
+    const uint64_t slot = x >> 8;
+    const bool alloc = (x & 1) == 0;
+    const bool ok = slot < l.slots && (alloc ? ((x >> 1) & 0x7f) < l.streams && size > 0 && !full[slot]
+                                             : full[slot]);
+    if (!ok) {
+      why = path + ": operation " + std::to_string(i) + " does not fit its slot's state";
       return false;
     }
+    full[slot] = alloc;
     l.word.push_back(x);
-    l.size.push_back(w[2 * i + 1]);
+    l.size.push_back(size);
+  }
+  for (bool b : full) {
+    if (b) {
+      why = path + ": a block is still live at the end";
+      return false;
+    }
   }
   return true;
 }
@@ -669,6 +686,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "c10 error: %s\n", e.what_without_backtrace());
     Rec rec("latency_error");
     rec.str("error", e.what_without_backtrace());
+    rec.emit();
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    Rec rec("latency_error");
+    rec.str("error", e.what());
     rec.emit();
     return 1;
   }

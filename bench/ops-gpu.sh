@@ -8,7 +8,7 @@
 #
 # --prepare writes DIR/NAME.ops (default .artifacts/ops) from every tests/traces/*.pickle* with
 # `gmlake ops`; carry DIR with the library. The run builds build/bench/latency, writes
-# $OUT/bench/ops.jsonl (one record per run) and prints a table: ns per operation in each list's
+# $OUT/bench/ops.jsonl (one record per run, the file emptied first) and prints a table: ns per operation in each list's
 # second half (its steady state), gmlake's driver calls there, then the whole list repeated.
 # Environment: GMLAKE_CONF (gmlake's settings, e.g. page_size:8MiB), OPS_PASSES (default 3),
 # OPS_ROUNDS (default 1): rounds of the whole interleaved order; with more than one, a last
@@ -40,6 +40,7 @@ O=${OUT:-bench/out}/bench
 mkdir -p "$O"
 unset PYTORCH_CUDA_ALLOC_CONF PYTORCH_ALLOC_CONF
 bash bench/build-latency.sh build/bench >"$O/ops-build.log" 2>&1 || { tail -20 "$O/ops-build.log"; exit 1; }
+: >"$O/ops.jsonl"  # latency appends: this run's records only
 for ((round = 1; round <= ${OPS_ROUNDS:-1}; round++)); do
   for name in "${lists[@]}"; do
     if [ ! -f "$dir/$name.ops" ]; then

@@ -117,7 +117,16 @@ TORCH_DIR="$TORCH_DIR" CUDA_INCLUDE="$CUDA_DIR/include" CUDART="$CUDART" \
   { cat "$BUILD_DIR/latency-build.log" >&2; echo "build-torch-ext: bench/latency.cpp does not build" >&2; exit 1; }
 "$BUILD_DIR/bench/latency" --help 2>&1 | grep -q -- "--ops FILE" ||
   { echo "build-torch-ext: build/bench/latency does not start" >&2; exit 1; }
-log "ok: bench/latency.cpp builds and starts"
+# Its reader of operation lists: damaged lists refused, and one that `gmlake ops` writes read
+# whole (when the CLI is built: cargo test builds it first in CI).
+lists=()
+gm=$(ls -t target/debug/gmlake target/release/gmlake 2>/dev/null | head -1 || true)
+if [ -n "$gm" ] && "$gm" ops tests/traces/decode.pickle --out "$BUILD_DIR/decode.ops" >/dev/null; then
+  lists+=("$BUILD_DIR/decode.ops")
+fi
+"$BUILD_DIR/bench/latency_ops_test" ${lists[@]+"${lists[@]}"} ||
+  { echo "build-torch-ext: bench/tests/latency_ops_test failed" >&2; exit 1; }
+log "ok: bench/latency.cpp builds and starts; its list reader passes its test"
 
 if [ -n "$OUT" ]; then
   mkdir -p "$OUT"

@@ -172,6 +172,11 @@ impl Ops {
                 w.len()
             ));
         }
+        // Each slot is filled by an allocation at least once (`from_trace` makes no other):
+        // bounds what a reader allocates for the slots by the file's size.
+        if slots > n {
+            return err(format!("{slots} slots for {n} operations"));
+        }
         let mut full = vec![false; slots as usize];
         let mut ops = Vec::with_capacity(n as usize);
         for (i, p) in w[4..].chunks_exact(2).enumerate() {
@@ -375,6 +380,9 @@ mod tests {
         let mut bad = good.clone();
         bad[0] ^= 1;
         assert!(reason(&bad).contains("bad magic"));
+        let mut bad = good.clone();
+        bad[16..24].copy_from_slice(&3u64.to_le_bytes());
+        assert!(reason(&bad).contains("3 slots for 2 operations"));
         // The free turned into a second allocation of slot 0.
         let mut bad = good.clone();
         bad[48..56].copy_from_slice(&0u64.to_le_bytes());

@@ -689,7 +689,10 @@ impl Arena {
 
     /// Moves every quick block into the coalesced free mapped blocks.
     pub fn flush_quick(&mut self) {
-        if self.quick_len == 0 {
+        // A parked block's size is listed, so nothing listed means nothing parked. Sizes
+        // listed whose blocks were all taken again are unlisted here too, so that the cap on
+        // kept lists holds when misses find nothing parked.
+        if self.quick_sizes.is_empty() {
             return;
         }
         // Drained in place, into a buffer kept from flush to flush: random sizes flush at
@@ -1257,6 +1260,26 @@ impl Arena {
                 )
             ));
         }
+        // The quick lists: a size is listed exactly when its list says so, once, and every
+        // parked block's list is listed (so a flush reaches it).
+        let mut listed = self.quick_sizes.clone();
+        listed.sort_unstable();
+        if listed.windows(2).any(|w| w[0] == w[1]) {
+            return Err("I5: a size listed twice in the quick lists".into());
+        }
+        for (size, list) in &self.quick {
+            if list.listed != listed.binary_search(size).is_ok() {
+                return Err(format!("I5: quick list of {size} bytes listed wrongly"));
+            }
+            if !list.heap.is_empty() && !list.listed {
+                return Err(format!(
+                    "I5: quick list of {size} bytes holds blocks, unlisted"
+                ));
+            }
+        }
+        if listed.iter().any(|s| !self.quick.contains_key(s)) {
+            return Err("I5: a listed size has no quick list".into());
+        }
         Ok(())
     }
 }
@@ -1436,6 +1459,10 @@ mod tests {
         assert_eq!(a.quick_sizes, vec![3000]);
         a.check().unwrap();
         assert_eq!(a.take_quick(3000), Some(q));
+        // Nothing parked, but the size still listed: a flush unlists it.
+        a.flush_quick();
+        assert!(a.quick_sizes.is_empty());
+        a.check().unwrap();
         // Many sizes: the emptied lists are dropped past QUICK_SIZES_KEPT.
         let mut a = arena(false);
         a.add_chunk(BASE, 80_000 * P);

@@ -91,8 +91,10 @@ pub struct Config {
     /// that always has work queued (FSDP2's all-gather stream) costs new memory at every such
     /// miss (FSDP2 on two H200s: 0.94 utilization without, 0.99 with, same step time).
     pub cross_stream_wait: bool,
-    /// `host_timing`: the bridge to PyTorch (gmlake-ffi) times every allocation and free it
-    /// passes to the core (lock, bookkeeping, driver calls) and reports the totals in
+    /// `host_timing`: the bridge to PyTorch (gmlake-ffi) times every allocation and free that
+    /// PyTorch's allocator interface passes to the core (lock, bookkeeping, driver calls; not
+    /// the host tier's own, nor blocks placed at a given address for IPC), and reports the
+    /// totals in
     /// `memory_stats()` as `gmlake.host_ns_alloc`, `gmlake.host_ns_free` and the calls timed,
     /// `gmlake.host_calls_alloc` and `gmlake.host_calls_free`: the allocator's own share of a
     /// step, read in the job itself. Off by default: two clock readings a call (about 40 ns).
