@@ -16,7 +16,8 @@
 //!   lent, retired, unmapped or a chunk edge, and its pages that it does not share with a
 //!   live neighbour ("interior" pages) can be taken.
 //! - I5 every free or lent block is in exactly the indexes of its state; the counters equal
-//!   sums over the indexes.
+//!   sums over the indexes. A `Quick` block's size is listed (`quick_sizes`, once) so that a
+//!   flush reaches it.
 //!
 //! Consequently every maximal run of mapped blocks starts and ends on page boundaries.
 
