@@ -34,6 +34,10 @@ enum {
 #define NDEV 2
 #define GRAN (2u << 20)
 #define MAXN 4096
+/* Live mappings: active pages and kept aliases (up to `alias_floor`, 128 GiB of 2 MiB pages by
+ * default), so a device of MAXN pages may hold many more mappings than pages. With 4096 the
+ * table filled on the contract's four-thread case now and then, and cuMemMap failed. */
+#define MAXMAPS (1 << 16)
 
 typedef struct { int type; int id; } Loc;
 typedef struct {
@@ -61,7 +65,7 @@ static size_t used;
 static struct { unsigned long long addr; size_t size; int live; } resv[MAXN];
 static int nresv;
 static unsigned long long next_va = 0x7f0000000000ull;
-static struct { unsigned long long addr; size_t size; int ai; int live; } maps[MAXN];
+static struct { unsigned long long addr; size_t size; int ai; int live; } maps[MAXMAPS];
 static int nmaps;
 static int last_access_count;
 static int last_access_ids[8];
@@ -286,7 +290,7 @@ CUresult cuMemMap(unsigned long long addr, size_t size, size_t offset, unsigned 
             overlap = 1;
     int slot = -1;
     for (int m = 0; m < nmaps && slot < 0; m++) if (!maps[m].live) slot = m;
-    if (slot < 0 && nmaps < MAXN) slot = nmaps++;
+    if (slot < 0 && nmaps < MAXMAPS) slot = nmaps++;
     if (ai >= 0 && inside && !overlap && size <= allocs[ai].size && slot >= 0) {
         maps[slot].addr = addr; maps[slot].size = size; maps[slot].ai = ai;
         maps[slot].live = 1;
