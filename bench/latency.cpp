@@ -222,6 +222,23 @@ std::vector<long long> gmlake_counters() {
   return v;
 }
 
+// The counters' changes over a timed part, as timed_key names them (none where gmlake is not
+// the allocator).
+void add_timed_counters(Rec& rec, const std::vector<long long>& before,
+                        const std::vector<long long>& after) {
+  for (size_t k = 0; k < kCounted; ++k) {
+    if (before[k] < 0 || after[k] < 0) continue;
+    rec.integer(timed_key(kCountedKeys[k]).c_str(), after[k] - before[k]);
+  }
+}
+
+// A latency_error record with `why`, on stdout and in --out.
+void report_error(const std::string& why) {
+  Rec rec("latency_error");
+  rec.str("error", why);
+  rec.emit();
+}
+
 // ---- fixed sizes
 
 void bench_fixed() {
@@ -328,10 +345,7 @@ void bench_mixed() {
       .integer("peak_active_bytes", s.active_bytes[0].peak)
       .integer("peak_reserved_bytes", s.reserved_bytes[0].peak)
       .integer("reserved_bytes", s.reserved_bytes[0].current);
-  for (size_t k = 0; k < kCounted; ++k) {
-    if (counted0[k] < 0 || counted1[k] < 0) continue;
-    rec.integer(timed_key(kCountedKeys[k]).c_str(), counted1[k] - counted0[k]);
-  }
+  add_timed_counters(rec, counted0, counted1);
   rec.emit();
   for (void* p : live) release(p);
   cca::emptyCache();
@@ -406,9 +420,7 @@ bool bench_ops() {
   OpList l;
   std::string why;
   if (!read_ops(opt.ops, l, why)) {
-    Rec rec("latency_error");
-    rec.str("error", why);
-    rec.emit();
+    report_error(why);
     return false;
   }
   // Stream 0 is the default stream; the others are made here (c10's stream pool needs
@@ -416,9 +428,7 @@ bool bench_ops() {
   std::vector<cudaStream_t> streams(l.streams, nullptr);
   for (size_t i = 1; i < l.streams; ++i) {
     if (cudaStreamCreateWithFlags(&streams[i], cudaStreamNonBlocking) != cudaSuccess) {
-      Rec rec("latency_error");
-      rec.str("error", "cudaStreamCreateWithFlags failed");
-      rec.emit();
+      report_error("cudaStreamCreateWithFlags failed");
       return false;
     }
   }
@@ -477,10 +487,7 @@ bool bench_ops() {
       .num("utilization", s.reserved_bytes[0].peak > 0
                               ? static_cast<double>(s.active_bytes[0].peak) / s.reserved_bytes[0].peak
                               : NAN);
-  for (size_t k = 0; k < kCounted; ++k) {
-    if (counted0[k] < 0 || counted1[k] < 0) continue;
-    rec.integer(timed_key(kCountedKeys[k]).c_str(), counted1[k] - counted0[k]);
-  }
+  add_timed_counters(rec, counted0, counted1);
   rec.emit();
   cca::emptyCache();
   for (size_t i = 1; i < l.streams; ++i) cudaStreamDestroy(streams[i]);
@@ -684,15 +691,11 @@ int main(int argc, char** argv) {
     if (opt.stitch) bench_stitch();
   } catch (const c10::Error& e) {
     std::fprintf(stderr, "c10 error: %s\n", e.what_without_backtrace());
-    Rec rec("latency_error");
-    rec.str("error", e.what_without_backtrace());
-    rec.emit();
+    report_error(e.what_without_backtrace());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
-    Rec rec("latency_error");
-    rec.str("error", e.what());
-    rec.emit();
+    report_error(e.what());
     return 1;
   }
   return 0;
