@@ -255,7 +255,8 @@ impl SimDevice {
         }
     }
 
-    /// Completes the work queued on `stream` only (other streams stay busy): its fills and
+    /// Completes the work queued on `stream` (other streams stay busy, but for the work it
+    /// waited for, directly or through other streams' waits, which runs too): its fills and
     /// copies run, in issue order, and the events recorded on it complete.
     pub fn complete_stream(&self, stream: StreamId) {
         self.state.lock().complete_stream(stream);
@@ -588,28 +589,37 @@ impl SimState {
     }
 
     fn complete_stream(&mut self, stream: StreamId) {
-        // Work this stream waited for runs first (one level: what the waited-for work itself
-        // waited for is not chased).
-        let before: Vec<(StreamId, u64)> = self
-            .waits
-            .iter()
-            .filter(|(k, _)| k.0 == stream)
-            .map(|(k, &w)| (k.1, w))
-            .collect();
-        for (other, w) in before {
-            let (first, rest): (Vec<PendingOp>, Vec<PendingOp>) = std::mem::take(&mut self.queued)
-                .into_iter()
-                .partition(|op| op.stream == other && op.seq <= w);
-            self.queued = rest;
-            for op in first {
-                self.run(op);
+        // Work this stream waited for runs first, and what that work waited for in turn (a
+        // GPU orders waits transitively: a fill on stream 1 that waited for stream 0 runs after
+        // stream 0's work even when stream 2, waiting for stream 1, is what completes). `need`
+        // holds, per stream, the last issue number that must run; it grows to a fixed point.
+        // Waits are kept per pair of streams as the last issue number covered, not per wait,
+        // so a stream's wait counts once any of its needed work was issued after that number:
+        // this may run more than needed, never less.
+        let mut need: FxHashMap<StreamId, u64> = FxHashMap::default();
+        need.insert(stream, u64::MAX);
+        loop {
+            let mut grew = false;
+            for (&(waiting, on), &w) in &self.waits {
+                let Some(&n) = need.get(&waiting) else {
+                    continue;
+                };
+                if n > w && need.get(&on).is_none_or(|&have| have < w) {
+                    need.insert(on, w);
+                    grew = true;
+                }
+            }
+            if !grew {
+                break;
             }
         }
-        let (mine, rest): (Vec<PendingOp>, Vec<PendingOp>) = std::mem::take(&mut self.queued)
+        // Issue order respects every wait (a wait covers work issued before it), so running the
+        // chosen work in that order keeps each stream's order and every wait.
+        let (run, rest): (Vec<PendingOp>, Vec<PendingOp>) = std::mem::take(&mut self.queued)
             .into_iter()
-            .partition(|op| op.stream == stream);
+            .partition(|op| need.get(&op.stream).is_some_and(|&n| op.seq <= n));
         self.queued = rest;
-        for op in mine {
+        for op in run {
             self.run(op);
         }
         for p in self.events.values_mut() {
@@ -1061,6 +1071,46 @@ mod tests {
         d.free_host(h).unwrap();
         assert!(d.free_host(h).is_err());
         assert!(d.hazards().is_empty());
+    }
+
+    #[test]
+    fn completing_a_stream_runs_what_its_waits_waited_for() {
+        // The tier's property test found this (a block freed on stream 0 reused on stream 1,
+        // then a block freed on stream 1 reused on stream 0): stream 1's write waited for stream
+        // 0's, stream 2 waited for stream 1; completing stream 2 must run stream 0's write
+        // before stream 1's, as a GPU would, or stream 0's older write lands last.
+        let d = SimDevice::new(8 * P as u64).asynchronous();
+        let (a, _) = mapped(&d, 1);
+        let (e0, e1) = (d.create_event().unwrap(), d.create_event().unwrap());
+        d.fill(a, P as u64, 7, 0).unwrap();
+        d.record_event(e0, 0).unwrap();
+        d.stream_wait_event(1, e0).unwrap();
+        d.fill(a, P as u64, 8, 1).unwrap();
+        d.record_event(e1, 1).unwrap();
+        d.stream_wait_event(2, e1).unwrap();
+        assert!(d.hazards().is_empty(), "{:?}", d.hazards());
+        d.complete_stream(2);
+        assert_eq!(d.queued_ops(), 0, "stream 0's write ran, then stream 1's");
+        assert_eq!(
+            d.checksum(a, P as u64).unwrap(),
+            SimDevice::fill_checksum(P as u64, 8)
+        );
+        // A wait covers only what was issued before its event's record: stream 0's later work
+        // stays queued when stream 2 completes.
+        d.record_event(e0, 0).unwrap();
+        d.stream_wait_event(1, e0).unwrap();
+        d.fill(a, P as u64, 9, 1).unwrap();
+        d.record_event(e1, 1).unwrap();
+        d.stream_wait_event(2, e1).unwrap();
+        let (b, _) = mapped(&d, 1);
+        d.fill(b, P as u64, 10, 0).unwrap();
+        d.complete_stream(2);
+        assert_eq!(
+            d.queued_ops(),
+            1,
+            "stream 0's fill after the record is not waited for"
+        );
+        d.synchronize().unwrap();
     }
 
     #[test]
