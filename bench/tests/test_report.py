@@ -390,6 +390,11 @@ def test_ops_gpu_refuses_missing_inputs_and_prints_its_table(tmp_path):
     r = subprocess.run(["bash", str(BENCH / "ops-gpu.sh"), str(tmp_path), str(tmp_path / "no.so")],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "no library at" in r.stderr
+    (tmp_path / "a.so").write_bytes(b"")
+    r = subprocess.run(["bash", str(BENCH / "ops-gpu.sh"), str(tmp_path), str(tmp_path / "a.so")],
+                       capture_output=True, text=True,
+                       env=dict(os.environ, OPS_LIB_B=str(tmp_path / "b.so")))
+    assert r.returncode == 2 and "OPS_LIB_B" in r.stderr
     script = (BENCH / "ops-gpu.sh").read_text()
     table = script.split("python3 - \"$O/ops.jsonl\" <<'PY'\n")[1].split("\nPY\n")[0]
     recs = [
@@ -399,6 +404,9 @@ def test_ops_gpu_refuses_missing_inputs_and_prints_its_table(tmp_path):
          "ns_per_op": 800.0, "utilization": 0.92, "repeat_ns_per_op": [900.0], "repeat_driver_calls": 195,
          "calls_timed.map": 3, "calls_timed.set_access": 2, "calls_timed.record_event": 7,
          "counters_timed.pages_stitched": 3},
+        {"kind": "latency", "test": "ops", "ops_file": "moe.ops", "allocator": "gmlake-b",
+         "ns_per_op": 700.0, "utilization": 0.92, "repeat_ns_per_op": [], "repeat_driver_calls": -1,
+         "calls_timed.map": 1},
         {"kind": "latency", "test": "mixed", "allocator": "native"},
     ]
     p = tmp_path / "ops.jsonl"
@@ -409,4 +417,6 @@ def test_ops_gpu_refuses_missing_inputs_and_prints_its_table(tmp_path):
     assert rows[0][:4] == ["moe", "native", "500", "-"]
     # Driver calls: the mapping kinds only (events are not counted), and the repeat's calls.
     assert rows[1][:4] == ["moe", "gmlake", "800", "5"] and rows[1][-1] == "(195)"
-    assert len(rows) == 2
+    # A second library's runs (OPS_LIB_B) are read as gmlake's, under their own label.
+    assert rows[2][:4] == ["moe", "gmlake-b", "700", "1"]
+    assert len(rows) == 3

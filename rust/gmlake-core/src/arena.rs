@@ -21,6 +21,8 @@
 //!
 //! Consequently every maximal run of mapped blocks starts and ends on page boundaries.
 
+use crate::blockmap::{BlockMap, BlockRange};
+use crate::deferred::DeferredSet;
 use crate::device::PhysHandle;
 use crate::keys::ArenaKey;
 use std::cmp::Reverse;
@@ -86,7 +88,7 @@ struct QuickList {
 /// Walks an arena's regions that hold lent blocks (`Arena::lent_regions_from`).
 pub(crate) struct LentRegions<'a> {
     arena: &'a Arena,
-    blocks: std::iter::Peekable<std::collections::btree_map::Range<'a, u64, Block>>,
+    blocks: std::iter::Peekable<BlockRange<'a>>,
 }
 
 /// Blocks that cannot be in a region (live, unmapped, retired) a walk steps over one by one
@@ -179,11 +181,13 @@ pub(crate) struct Arena {
     track_age: bool,
     /// (start, size) per chunk id; a freed chunk becomes (0, 0).
     chunks: Vec<(u64, u64)>,
-    blocks: BTreeMap<u64, Block>,
+    blocks: BlockMap,
     /// FreeMapped blocks by (size, addr): the hit path.
     free_mapped: BTreeSet<(u64, u64)>,
-    /// FreeMapped blocks with interior pages, by (interior pages, addr).
-    stealable: BTreeSet<(u64, u64)>,
+    /// FreeMapped blocks with interior pages, by (interior pages, addr): read only by misses
+    /// that stitch and by memory returned, so its changes are deferred to then
+    /// ([`Arena::settle`]).
+    stealable: DeferredSet<(u64, u64)>,
     /// FreeMapped blocks with interior pages, by (freed, addr); kept only for LRU stitching.
     by_age: BTreeSet<(u64, u64)>,
     /// FreeUnmapped blocks by (ext, addr).
@@ -228,9 +232,9 @@ impl Arena {
             page,
             track_age,
             chunks: Vec::new(),
-            blocks: BTreeMap::new(),
+            blocks: BlockMap::default(),
             free_mapped: BTreeSet::new(),
-            stealable: BTreeSet::new(),
+            stealable: DeferredSet::new(),
             by_age: BTreeSet::new(),
             unmapped: BTreeSet::new(),
             unmapped_at: rustc_hash::FxHashSet::default(),
@@ -328,7 +332,7 @@ impl Arena {
                 self.free_mapped_count -= 1;
                 let (_, n) = self.interior(addr, b.size);
                 if n > 0 {
-                    self.stealable.remove(&(n, addr));
+                    self.stealable.remove((n, addr));
                     self.stealable_pages -= n;
                     if self.track_age {
                         self.by_age.remove(&(freed, addr));
@@ -355,8 +359,8 @@ impl Arena {
 
     /// The block ending at `addr` in the same chunk.
     fn prev_of(&self, addr: u64, chunk: u32) -> Option<(u64, Block)> {
-        let (&a, &b) = self.blocks.range(..addr).next_back()?;
-        (a + b.size == addr && b.chunk == chunk).then_some((a, b))
+        let (a, &b) = self.blocks.ending_at(addr)?;
+        (b.chunk == chunk).then_some((a, b))
     }
 
     fn next_of(&self, end: u64, chunk: u32) -> Option<Block> {
@@ -448,12 +452,10 @@ impl Arena {
             state: BlockState::FreeMapped { freed },
             chunk,
         };
-        match self.blocks.get_mut(&addr) {
-            Some(slot) if in_place => {
-                *slot = b;
-                self.index_insert(addr, &b);
-            }
-            _ => self.put(addr, b),
+        if in_place && self.blocks.replace(addr, b) {
+            self.index_insert(addr, &b);
+        } else {
+            self.put(addr, b);
         }
         if refresh {
             self.refresh_ext(addr + size);
@@ -584,9 +586,17 @@ impl Arena {
     /// (`find_placement` says which).
     pub fn carve(&mut self, start: u64, size: u64, now: u64) {
         let end = start + size;
-        let (mut addr, mut b) = match self.blocks.range(..=start).next_back() {
-            Some((&a, &b)) => (a, b),
-            None => return,
+        // Mostly a hit or a placement at a block's start: one probe, not an ordered search.
+        let found = match self.blocks.get(&start) {
+            Some(&b) => Some((start, b)),
+            None => self
+                .blocks
+                .range(..=start)
+                .next_back()
+                .map(|(&a, &b)| (a, b)),
+        };
+        let Some((mut addr, mut b)) = found else {
+            return;
         };
         let chunk = b.chunk;
         let live = Block {
@@ -598,9 +608,7 @@ impl Arena {
             // A hit at the start of a free block (the common case): its entry is rewritten
             // in place rather than removed and inserted again.
             self.index_remove(addr, &b);
-            if let Some(slot) = self.blocks.get_mut(&addr) {
-                *slot = live;
-            }
+            self.blocks.replace(addr, live);
             self.index_insert(addr, &live);
         } else {
             self.take(addr);
@@ -651,12 +659,11 @@ impl Arena {
 
     /// Frees a live block into the quick list of its size; returns its size.
     pub fn release(&mut self, addr: u64, now: u64) -> Option<u64> {
-        let b = self.blocks.get_mut(&addr)?;
-        if b.state != BlockState::Live {
+        let (size, state) = self.blocks.size_and_state(&addr)?;
+        if *state != BlockState::Live {
             return None;
         }
-        b.state = BlockState::Quick { freed: now };
-        let size = b.size;
+        *state = BlockState::Quick { freed: now };
         self.live_blocks -= 1;
         self.free_mapped_bytes += size;
         self.free_mapped_count += 1;
@@ -680,8 +687,7 @@ impl Arena {
     pub fn take_quick(&mut self, size: u64) -> Option<u64> {
         let Reverse(addr) = self.quick.get_mut(&size)?.heap.pop()?;
         self.quick_len -= 1;
-        let b = self.blocks.get_mut(&addr)?;
-        b.state = BlockState::Live;
+        *self.blocks.state_mut(&addr)? = BlockState::Live;
         self.live_blocks += 1;
         self.free_mapped_bytes -= size;
         self.free_mapped_count -= 1;
@@ -987,7 +993,7 @@ impl Arena {
     /// The handles of the interior pages of this arena's free mapped blocks (the pages a
     /// stitch or a reuse may take from here), added to `out`. O(those pages).
     pub fn free_interior_handles(&self, out: &mut rustc_hash::FxHashSet<PhysHandle>) {
-        for &(n, addr) in &self.stealable {
+        for &(n, addr) in self.stealable.settled() {
             let first = self.ceil(addr);
             out.extend(
                 self.pages
@@ -1070,20 +1076,31 @@ impl Arena {
         }
     }
 
-    /// Candidate blocks to take pages from, in the order a strategy wants them.
+    /// Applies the deferred changes of the index of blocks by interior pages, which the
+    /// queries below read (a miss that stitches, memory returned).
+    pub fn settle(&mut self) {
+        self.stealable.settle();
+    }
+
+    /// Candidate blocks to take pages from, in the order a strategy wants them (the arena
+    /// settled since its last change).
     /// Smallest block with at least `pages` interior pages.
     pub fn smallest_with(&self, pages: u64) -> Option<(u64, u64)> {
-        self.stealable.range((pages, 0)..).next().copied()
+        self.stealable.settled().range((pages, 0)..).next().copied()
     }
 
     /// Block with the most interior pages.
     pub fn largest(&self) -> Option<(u64, u64)> {
-        self.stealable.iter().next_back().copied()
+        self.stealable.settled().iter().next_back().copied()
     }
 
     /// The next block below (pages, addr) in interior-page order.
     pub fn largest_below(&self, pages: u64, addr: u64) -> Option<(u64, u64)> {
-        self.stealable.range(..(pages, addr)).next_back().copied()
+        self.stealable
+            .settled()
+            .range(..(pages, addr))
+            .next_back()
+            .copied()
     }
 
     /// Least recently freed block with interior pages: (freed, addr).
@@ -1118,7 +1135,10 @@ impl Arena {
 
     /// Verifies the invariants above; returns a description of the first violation.
     pub fn check(&self) -> Result<(), String> {
+        self.blocks.check()?;
         let mut fm = (0u64, 0u64, 0u64);
+        // Free mapped blocks with interior pages: (pages, addr).
+        let mut stealable = Vec::new();
         let (mut lent_pages, mut lent_blocks) = (0u64, 0usize);
         let mut unmapped_blocks = 0usize;
         for (id, &(start, size)) in self.chunks.iter().enumerate() {
@@ -1202,7 +1222,11 @@ impl Arena {
                         }
                         fm.0 += 1;
                         fm.1 += b.size;
-                        fm.2 += self.interior(a, b.size).1;
+                        let n = self.interior(a, b.size).1;
+                        fm.2 += n;
+                        if n > 0 {
+                            stealable.push((n, a));
+                        }
                     }
                     BlockState::FreeUnmapped { ext } => {
                         if ext != self.ext_of(a, b.size, b.chunk) {
@@ -1259,6 +1283,14 @@ impl Arena {
                     self.free_mapped_bytes,
                     self.stealable_pages
                 )
+            ));
+        }
+        stealable.sort_unstable();
+        if !stealable.iter().copied().eq(self.stealable.current()) {
+            return Err(format!(
+                "I5: {} free mapped blocks with interior pages, {} indexed by them",
+                stealable.len(),
+                self.stealable.current().len()
             ));
         }
         // The quick lists: a size is listed exactly when its list says so, once, and every
@@ -1498,6 +1530,7 @@ mod tests {
         assert_eq!(a.free_mapped_count, 1);
         assert_eq!(a.stealable_pages, 600);
         assert_eq!(a.find_hit(600 * P, f64::INFINITY), Some(BASE));
+        a.settle();
         assert_eq!(a.largest(), Some((600, BASE)));
     }
 
@@ -1519,6 +1552,7 @@ mod tests {
         assert_eq!(a.find_hit(P, 1.5), None, "2 pages for 1 exceeds 1.5x");
         assert_eq!(a.find_hit(P, 2.0), Some(blocks[2]));
         assert_eq!(a.largest_free_mapped(), 4 * P);
+        a.settle();
         assert_eq!(a.smallest_with(2), Some((2, blocks[2])));
         assert_eq!(a.smallest_with(3), Some((4, blocks[0])));
         assert_eq!(a.largest_below(4, blocks[0]), Some((2, blocks[2])));

@@ -11,10 +11,12 @@
 
 pub mod allocator;
 mod arena;
+mod blockmap;
 pub mod config;
 pub mod contract;
 pub mod cost;
 pub mod debug;
+mod deferred;
 pub mod device;
 pub mod error;
 pub mod ipc;

@@ -950,6 +950,7 @@ impl State {
                     None => size.div_ceil(self.page),
                 };
                 let max_busy = (fresh / 2).min((size.div_ceil(self.page) / 4).max(1));
+                self.settle_arenas();
                 let (found, cursor) = self.find_reuse(aid, size, max_busy);
                 self.arenas[aid as usize].reuse_cursor = cursor;
                 if let Some(r) = found {

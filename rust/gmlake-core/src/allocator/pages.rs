@@ -293,7 +293,16 @@ impl State {
                     .is_some_and(|&w| w >= a.last_free))
     }
 
+    /// Applies every arena's deferred index changes (`Arena::settle`): before the queries of
+    /// blocks by interior pages that choose where pages come from.
+    pub(super) fn settle_arenas(&mut self) {
+        for a in &mut self.arenas {
+            a.settle();
+        }
+    }
+
     /// Chooses the next block to take pages from, by strategy: (arena, block, pages there).
+    /// The arenas are settled (`settle_arenas`).
     pub(super) fn choose_source(
         &self,
         aid: u32,
@@ -389,6 +398,7 @@ impl State {
     ) -> Result<Vec<PhysHandle>> {
         let mut got: Vec<PhysHandle> = Vec::with_capacity(k as usize);
         while (got.len() as u64) < k {
+            self.settle_arenas();
             let Some((src, addr, _)) = self.choose_source(aid, k - got.len() as u64, exclude)
             else {
                 break;

@@ -13,6 +13,7 @@ impl State {
         let cached = |s: &State| s.arenas.iter().map(|a| a.free_mapped_bytes).sum::<u64>();
         let mut batch = RetiredBatch::default();
         while cached(self) > limit {
+            self.settle_arenas();
             let Some((src, addr, _)) = self.largest_source(
                 self.arenas
                     .iter()
@@ -134,7 +135,10 @@ impl State {
                 continue;
             }
             let key = self.arenas[aid as usize].key;
-            while let Some((_, addr)) = self.arenas[aid as usize].largest() {
+            while let Some((_, addr)) = {
+                self.arenas[aid as usize].settle();
+                self.arenas[aid as usize].largest()
+            } {
                 let (start, handles) =
                     self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, Take::Unmap));
                 let n = handles.len() as u64;

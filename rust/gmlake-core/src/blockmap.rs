@@ -1,0 +1,154 @@
+//! The blocks of an arena by address, indexed for the hot path.
+//!
+//! An arena's blocks were one `BTreeMap` from start to block, and every allocation and free
+//! searched it several times: the block freed, the blocks before and after it when a flush
+//! coalesces it, the block a hit carves and its rewrite. At 10k live blocks a search is a
+//! descent of four nodes with linear key scans, a few hundred instructions, and these
+//! lookups were most of the allocator's host time (the random mixed pattern, the
+//! concatenation trace's steady state). Here the blocks live in a hash map by start, the
+//! block before another is found through a hash map by end (blocks do not overlap, so an end
+//! names one block), and an ordered set of starts serves the ordered queries (the block
+//! containing an address, walks in address order). Lookups cost a hash probe; an insert or a
+//! remove costs what it did (one descent of the ordered set) plus two probes.
+//!
+//! Invariant (between the arena's operations; within one, a block written may end where a
+//! block about to be removed ends): `starts` and the keys of `blocks` are the same set of
+//! addresses, and `ends` maps the end of every block to its start and holds nothing else.
+//! Every write goes through `insert`, `remove` or `replace`, which keep it; `state_mut` and
+//! `size_and_state` give the state alone, which cannot move an end.
+
+use crate::arena::{Block, BlockState};
+use rustc_hash::FxHashMap;
+use std::collections::BTreeSet;
+use std::ops::RangeBounds;
+
+#[derive(Default)]
+pub(crate) struct BlockMap {
+    blocks: FxHashMap<u64, Block>,
+    starts: BTreeSet<u64>,
+    /// end -> start of the block ending there.
+    ends: FxHashMap<u64, u64>,
+}
+
+/// Blocks in address order: (start, block).
+pub(crate) struct BlockRange<'a> {
+    starts: std::collections::btree_set::Range<'a, u64>,
+    blocks: &'a FxHashMap<u64, Block>,
+}
+
+impl<'a> Iterator for BlockRange<'a> {
+    type Item = (&'a u64, &'a Block);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let a = self.starts.next()?;
+        Some((a, &self.blocks[a]))
+    }
+}
+
+impl DoubleEndedIterator for BlockRange<'_> {
+    fn next_back(&mut self) -> Option<Self::Item> {
+        let a = self.starts.next_back()?;
+        Some((a, &self.blocks[a]))
+    }
+}
+
+impl BlockMap {
+    pub fn get(&self, addr: &u64) -> Option<&Block> {
+        self.blocks.get(addr)
+    }
+
+    /// The state of the block at `addr`, to change in place (its size cannot change here).
+    pub fn state_mut(&mut self, addr: &u64) -> Option<&mut BlockState> {
+        self.blocks.get_mut(addr).map(|b| &mut b.state)
+    }
+
+    /// The size and the state (to change in place) of the block at `addr`.
+    pub fn size_and_state(&mut self, addr: &u64) -> Option<(u64, &mut BlockState)> {
+        self.blocks.get_mut(addr).map(|b| (b.size, &mut b.state))
+    }
+
+    /// Records a block at `addr` (none may be there).
+    pub fn insert(&mut self, addr: u64, b: Block) {
+        let old = self.blocks.insert(addr, b);
+        debug_assert!(old.is_none(), "a block recorded twice at {addr:#x}");
+        self.starts.insert(addr);
+        // A block being removed may still end here (see `forget_end`).
+        self.ends.insert(addr + b.size, addr);
+    }
+
+    pub fn remove(&mut self, addr: &u64) -> Option<Block> {
+        let b = self.blocks.remove(addr)?;
+        self.starts.remove(addr);
+        self.forget_end(addr + b.size, *addr);
+        Some(b)
+    }
+
+    /// Drops `end -> start` unless a block written since ends there too: a carve rewrites
+    /// its first block to end where a block it then removes ended.
+    fn forget_end(&mut self, end: u64, start: u64) {
+        if self.ends.get(&end) == Some(&start) {
+            self.ends.remove(&end);
+        }
+    }
+
+    /// Rewrites the block at `addr` (its size may change); false when there is none.
+    pub fn replace(&mut self, addr: u64, b: Block) -> bool {
+        let Some(slot) = self.blocks.get_mut(&addr) else {
+            return false;
+        };
+        let old_end = addr + slot.size;
+        *slot = b;
+        if b.size != old_end - addr {
+            self.forget_end(old_end, addr);
+            self.ends.insert(addr + b.size, addr);
+        }
+        true
+    }
+
+    /// The block that ends exactly at `end` (of any chunk): (start, block).
+    pub fn ending_at(&self, end: u64) -> Option<(u64, &Block)> {
+        let &a = self.ends.get(&end)?;
+        Some((a, &self.blocks[&a]))
+    }
+
+    pub fn range<R: RangeBounds<u64>>(&self, r: R) -> BlockRange<'_> {
+        BlockRange {
+            starts: self.starts.range(r),
+            blocks: &self.blocks,
+        }
+    }
+
+    pub fn iter(&self) -> BlockRange<'_> {
+        self.range(..)
+    }
+
+    /// Whether the three indexes agree (the module's invariant).
+    pub fn check(&self) -> Result<(), String> {
+        if self.starts.len() != self.blocks.len() || self.ends.len() != self.blocks.len() {
+            return Err(format!(
+                "block map: {} blocks, {} starts, {} ends",
+                self.blocks.len(),
+                self.starts.len(),
+                self.ends.len()
+            ));
+        }
+        for (&a, b) in &self.blocks {
+            if !self.starts.contains(&a) || self.ends.get(&(a + b.size)) != Some(&a) {
+                return Err(format!(
+                    "block map: the block at {a:#x} of {} bytes is not indexed by its start \
+                     and end",
+                    b.size
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl std::ops::Index<&u64> for BlockMap {
+    type Output = Block;
+
+    fn index(&self, addr: &u64) -> &Block {
+        &self.blocks[addr]
+    }
+}

@@ -1,0 +1,124 @@
+//! An ordered set whose changes are logged and applied when it is next read.
+//!
+//! The arena's index of blocks by interior pages (`Arena::stealable`) changes with every free
+//! mapped block that appears or goes, on every allocation and free, but is read only when a
+//! miss stitches or memory is returned. In a steady state most free blocks appear and are
+//! carved again between two such reads, so logging the changes and cancelling each insert
+//! against its remove costs two hash probes where two tree descents were paid.
+//!
+//! Invariant: a key's logged count is -1 (removed, it is in the set), +1 (inserted, it is not)
+//! or absent (no net change); the set with the log applied is the set of keys inserted and not
+//! removed since. Reads take the settled set, which the caller settles first (a debug build
+//! asserts it).
+
+use rustc_hash::FxHashMap;
+use std::collections::BTreeSet;
+use std::hash::Hash;
+
+/// Pending changes beyond which the log is applied at once (bounds its memory where the set
+/// is never read: a job that never misses).
+const LOG_CAP: usize = 4096;
+
+pub(crate) struct DeferredSet<K> {
+    set: BTreeSet<K>,
+    log: FxHashMap<K, i8>,
+}
+
+impl<K: Ord + Hash + Copy + std::fmt::Debug> DeferredSet<K> {
+    pub fn new() -> Self {
+        DeferredSet {
+            set: BTreeSet::new(),
+            log: FxHashMap::default(),
+        }
+    }
+
+    pub fn insert(&mut self, k: K) {
+        self.change(k, 1);
+    }
+
+    pub fn remove(&mut self, k: K) {
+        self.change(k, -1);
+    }
+
+    fn change(&mut self, k: K, by: i8) {
+        let c = self.log.entry(k).or_insert(0);
+        *c += by;
+        debug_assert!(c.abs() <= 1, "{k:?} inserted or removed twice");
+        if *c == 0 {
+            self.log.remove(&k);
+        } else if self.log.len() > LOG_CAP {
+            self.settle();
+        }
+    }
+
+    /// Applies the logged changes.
+    pub fn settle(&mut self) {
+        for (k, c) in self.log.drain() {
+            if c > 0 {
+                self.set.insert(k);
+            } else {
+                self.set.remove(&k);
+            }
+        }
+    }
+
+    /// The set; `settle` must have been called since the last change.
+    pub fn settled(&self) -> &BTreeSet<K> {
+        debug_assert!(
+            self.log.is_empty(),
+            "a deferred set read before it was settled"
+        );
+        &self.set
+    }
+
+    /// The set with the log applied, without settling it (for checks).
+    pub fn current(&self) -> BTreeSet<K> {
+        let mut s = self.set.clone();
+        for (&k, &c) in &self.log {
+            if c > 0 {
+                s.insert(k);
+            } else {
+                s.remove(&k);
+            }
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_cancel_and_apply_when_settled() {
+        let mut s: DeferredSet<(u64, u64)> = DeferredSet::new();
+        s.insert((1, 10));
+        s.insert((2, 20));
+        s.remove((1, 10));
+        assert_eq!(s.log.len(), 1, "an insert and its remove cancel");
+        assert_eq!(s.current().into_iter().collect::<Vec<_>>(), vec![(2, 20)]);
+        s.settle();
+        assert_eq!(
+            s.settled().iter().copied().collect::<Vec<_>>(),
+            vec![(2, 20)]
+        );
+        // Removed, then the same key again: no net change.
+        s.remove((2, 20));
+        s.insert((2, 20));
+        assert!(s.log.is_empty());
+        s.remove((2, 20));
+        assert_eq!(s.current().len(), 0);
+        s.settle();
+        assert!(s.settled().is_empty());
+    }
+
+    #[test]
+    fn a_long_log_is_applied_at_once() {
+        let mut s: DeferredSet<u64> = DeferredSet::new();
+        for k in 0..=LOG_CAP as u64 {
+            s.insert(k);
+        }
+        assert!(s.log.is_empty(), "applied past {LOG_CAP} pending changes");
+        assert_eq!(s.settled().len(), LOG_CAP + 1);
+    }
+}
