@@ -1798,6 +1798,34 @@ mod tests {
     }
 
     #[test]
+    fn free_blocks_of_touching_chunks_stay_apart() {
+        // Chunk B starts where chunk A ends: the block before B's first block by address is
+        // A's last, which coalescing must not take (blocks are found by their end now).
+        let mut a = arena(false);
+        a.add_chunk(BASE, 2 * P);
+        a.add_chunk(BASE + 2 * P, 2 * P);
+        let x = place(&mut a, 2 * P, 1);
+        let y = place(&mut a, 2 * P, 1);
+        assert_eq!((x, y), (BASE, BASE + 2 * P));
+        a.release(x, 2);
+        a.release(y, 3);
+        a.flush_quick();
+        a.check().unwrap();
+        // (offset, size) in 512-byte units from BASE.
+        let u = 2 * P / 512;
+        assert_eq!(states(&a), vec![(0, u, "free"), (u, u, "free")]);
+        // A carve across a block boundary, ending where the removed block ended, and the
+        // coalescing after it: the map of ends stays right (`BlockMap::forget_end`).
+        a.carve(BASE, P, 4);
+        a.carve(BASE + P, P, 4);
+        a.release(BASE, 5);
+        a.release(BASE + P, 6);
+        a.flush_quick();
+        a.check().unwrap();
+        assert_eq!(a.find_hit(2 * P, f64::INFINITY), Some(BASE));
+    }
+
+    #[test]
     fn check_finds_a_block_on_an_unmapped_page() {
         let mut a = arena(false);
         a.add_chunk(BASE, 4 * P);

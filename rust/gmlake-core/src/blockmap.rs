@@ -152,3 +152,59 @@ impl std::ops::Index<&u64> for BlockMap {
         &self.blocks[addr]
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(size: u64) -> Block {
+        Block {
+            size,
+            state: BlockState::FreeMapped { freed: 0 },
+            chunk: 0,
+        }
+    }
+
+    #[test]
+    fn ends_follow_inserts_removes_and_rewrites() {
+        let mut m = BlockMap::default();
+        m.insert(0, block(100));
+        m.insert(100, block(100));
+        m.insert(200, block(100));
+        m.check().unwrap();
+        assert_eq!(m.ending_at(200).map(|(a, _)| a), Some(100));
+        assert!(m.ending_at(150).is_none());
+        // A carve rewrites its first block to end where the next one ends, then removes the
+        // next one: the end stays the rewritten block's.
+        assert!(m.replace(0, block(200)));
+        m.remove(&100);
+        m.check().unwrap();
+        assert_eq!(m.ending_at(200).map(|(a, _)| a), Some(0));
+        assert!(m.ending_at(100).is_none());
+        // Shrinking moves the end back.
+        assert!(m.replace(0, block(50)));
+        m.insert(50, block(150));
+        m.check().unwrap();
+        assert_eq!(m.ending_at(50).map(|(a, _)| a), Some(0));
+        assert_eq!(m.ending_at(200).map(|(a, _)| a), Some(50));
+        assert!(!m.replace(7, block(1)), "no block at 7");
+        // Ordered queries in both directions.
+        let starts: Vec<u64> = m.range(..).map(|(&a, _)| a).collect();
+        assert_eq!(starts, vec![0, 50, 200]);
+        assert_eq!(m.range(..=199).next_back().map(|(&a, _)| a), Some(50));
+        assert_eq!(m[&200].size, 100);
+        // A state changed in place keeps the indexes.
+        *m.state_mut(&50).unwrap() = BlockState::Live;
+        let (size, state) = m.size_and_state(&50).unwrap();
+        assert_eq!((size, *state), (150, BlockState::Live));
+        m.check().unwrap();
+    }
+
+    #[test]
+    fn check_finds_an_end_out_of_step() {
+        let mut m = BlockMap::default();
+        m.insert(0, block(100));
+        m.ends.insert(100, 7);
+        assert!(m.check().is_err());
+    }
+}

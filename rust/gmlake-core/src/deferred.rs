@@ -8,8 +8,8 @@
 //!
 //! Invariant: a key's logged count is -1 (removed, it is in the set), +1 (inserted, it is not)
 //! or absent (no net change); the set with the log applied is the set of keys inserted and not
-//! removed since. Reads take the settled set, which the caller settles first (a debug build
-//! asserts it).
+//! removed since. Reads take the settled set, which the caller settles first (asserted in
+//! every build).
 
 use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
@@ -53,6 +53,11 @@ impl<K: Ord + Hash + Copy + std::fmt::Debug> DeferredSet<K> {
 
     /// Applies the logged changes.
     pub fn settle(&mut self) {
+        // `drain` clears the whole table even when it is empty: settling is asked at every
+        // miss that stitches, most of the time with nothing logged.
+        if self.log.is_empty() {
+            return;
+        }
         for (k, c) in self.log.drain() {
             if c > 0 {
                 self.set.insert(k);
@@ -62,9 +67,11 @@ impl<K: Ord + Hash + Copy + std::fmt::Debug> DeferredSet<K> {
         }
     }
 
-    /// The set; `settle` must have been called since the last change.
+    /// The set; `settle` must have been called since the last change. A read of an unsettled
+    /// set is a bug that would change decisions silently, so it panics in every build (the
+    /// bridge turns a panic into an error; the check is one comparison).
     pub fn settled(&self) -> &BTreeSet<K> {
-        debug_assert!(
+        assert!(
             self.log.is_empty(),
             "a deferred set read before it was settled"
         );
