@@ -687,7 +687,7 @@ impl Arena {
     pub fn take_quick(&mut self, size: u64) -> Option<u64> {
         let Reverse(addr) = self.quick.get_mut(&size)?.heap.pop()?;
         self.quick_len -= 1;
-        *self.blocks.state_mut(&addr)? = BlockState::Live;
+        *self.blocks.size_and_state(&addr)?.1 = BlockState::Live;
         self.live_blocks += 1;
         self.free_mapped_bytes -= size;
         self.free_mapped_count -= 1;
@@ -1286,11 +1286,12 @@ impl Arena {
             ));
         }
         stealable.sort_unstable();
-        if !stealable.iter().copied().eq(self.stealable.current()) {
+        let indexed = self.stealable.current();
+        if !stealable.iter().eq(indexed.iter()) {
             return Err(format!(
                 "I5: {} free mapped blocks with interior pages, {} indexed by them",
                 stealable.len(),
-                self.stealable.current().len()
+                indexed.len()
             ));
         }
         // The quick lists: a size is listed exactly when its list says so, once, and every

@@ -14,8 +14,8 @@
 //! Invariant (between the arena's operations; within one, a block written may end where a
 //! block about to be removed ends): `starts` and the keys of `blocks` are the same set of
 //! addresses, and `ends` maps the end of every block to its start and holds nothing else.
-//! Every write goes through `insert`, `remove` or `replace`, which keep it; `state_mut` and
-//! `size_and_state` give the state alone, which cannot move an end.
+//! Every write goes through `insert`, `remove` or `replace`, which keep it; `size_and_state`
+//! gives the state alone to change, which cannot move an end.
 
 use crate::arena::{Block, BlockState};
 use rustc_hash::FxHashMap;
@@ -55,11 +55,6 @@ impl DoubleEndedIterator for BlockRange<'_> {
 impl BlockMap {
     pub fn get(&self, addr: &u64) -> Option<&Block> {
         self.blocks.get(addr)
-    }
-
-    /// The state of the block at `addr`, to change in place (its size cannot change here).
-    pub fn state_mut(&mut self, addr: &u64) -> Option<&mut BlockState> {
-        self.blocks.get_mut(addr).map(|b| &mut b.state)
     }
 
     /// The size and the state (to change in place) of the block at `addr`.
@@ -194,7 +189,7 @@ mod tests {
         assert_eq!(m.range(..=199).next_back().map(|(&a, _)| a), Some(50));
         assert_eq!(m[&200].size, 100);
         // A state changed in place keeps the indexes.
-        *m.state_mut(&50).unwrap() = BlockState::Live;
+        *m.size_and_state(&50).unwrap().1 = BlockState::Live;
         let (size, state) = m.size_and_state(&50).unwrap();
         assert_eq!((size, *state), (150, BlockState::Live));
         m.check().unwrap();

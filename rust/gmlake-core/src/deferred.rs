@@ -59,11 +59,7 @@ impl<K: Ord + Hash + Copy + std::fmt::Debug> DeferredSet<K> {
             return;
         }
         for (k, c) in self.log.drain() {
-            if c > 0 {
-                self.set.insert(k);
-            } else {
-                self.set.remove(&k);
-            }
+            apply(&mut self.set, k, c);
         }
     }
 
@@ -82,13 +78,18 @@ impl<K: Ord + Hash + Copy + std::fmt::Debug> DeferredSet<K> {
     pub fn current(&self) -> BTreeSet<K> {
         let mut s = self.set.clone();
         for (&k, &c) in &self.log {
-            if c > 0 {
-                s.insert(k);
-            } else {
-                s.remove(&k);
-            }
+            apply(&mut s, k, c);
         }
         s
+    }
+}
+
+/// One logged change applied to `set`: +1 inserts `k`, -1 removes it.
+fn apply<K: Ord>(set: &mut BTreeSet<K>, k: K, c: i8) {
+    if c > 0 {
+        set.insert(k);
+    } else {
+        set.remove(&k);
     }
 }
 

@@ -135,10 +135,12 @@ impl State {
                 continue;
             }
             let key = self.arenas[aid as usize].key;
-            while let Some((_, addr)) = {
+            loop {
+                // Each take changes the arena's index of blocks by interior pages.
                 self.arenas[aid as usize].settle();
-                self.arenas[aid as usize].largest()
-            } {
+                let Some((_, addr)) = self.arenas[aid as usize].largest() else {
+                    break;
+                };
                 let (start, handles) =
                     self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, Take::Unmap));
                 let n = handles.len() as u64;
