@@ -7,7 +7,13 @@ With REPEAT > 1 (run.sh runs the allocator list that many times, interleaved) ea
 gathers an allocator's runs: the step is the median of the runs' medians, with the spread
 (fastest and slowest run) beside it, so that the noise between runs can be read next to the
 differences between allocators; the utilization is the lowest of the runs and the peaks the
-highest. The faster baseline is the fastest of native, native2 and expandable."""
+highest. The faster baseline is the fastest of native, native2 and expandable.
+
+gmlake's rows also give its driver calls a step and, when it ran with `host_timing:1`
+(`ALLOCATORS="gmlake+host_timing:1"`), the allocator's own time a step (allocations and frees,
+driver calls included): the medians over the timed steps, then over the runs. That time is an
+upper bound of what the allocator can add to a step, read in the job itself, and far less
+noisy than the step: runs of one allocator differ by 10-30% on these jobs."""
 
 import os
 import statistics
@@ -34,6 +40,15 @@ def step(runs):
     return (statistics.median(steps), min(steps), max(steps), len(steps)) if steps else None
 
 
+def per_step(runs, key):
+    """The median over the runs of their `key` (a per-run median), or "-" when none has it."""
+    vals = [r[key] for r in runs if r.get("ok") and r.get(key) is not None]
+    if not vals:
+        return "-"
+    m = statistics.median(vals)
+    return f"{m:,.0f}" if m >= 100 else f"{m:.1f}"
+
+
 def main(path: str) -> int:
     groups, search = OrderedDict(), {}
     for r in report.load([path]):
@@ -52,7 +67,7 @@ def main(path: str) -> int:
         ok = [r for r in runs if r.get("ok")]
         timed = step(ok)
         if timed is None:
-            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 5)
+            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 7)
             continue
         notes = {losses_note(ref, r.get("model", {}).get("losses")) for r in ok}
         same = "yes" if notes == {"yes"} else "; ".join(sorted(n for n in notes if n != "yes"))
@@ -65,10 +80,13 @@ def main(path: str) -> int:
                      report.gib(max(r.get("peak_active_bytes", 0) for r in ok)),
                      report.gib(max(r.get("peak_reserved_bytes", 0) for r in ok)),
                      report.fnum(util), f"{m * 1e3:.0f} ms{spread}",
-                     report.fnum(m / best if best else None), same])
+                     report.fnum(m / best if best else None), same,
+                     per_step(ok, "median_driver_calls_per_step"),
+                     per_step(ok, "median_allocator_ms_per_step")])
     print("\n".join(report.table(
         ["strategy", "allocator", "runs", "peak active", "peak reserved", "utilization",
-         "median step (spread)", "vs faster baseline", "losses equal native's"], rows)))
+         "median step (spread)", "vs faster baseline", "losses equal native's",
+         "driver calls a step", "allocator ms a step"], rows)))
     if search:
         print()
         print("\n".join(report.table(

@@ -291,6 +291,30 @@ def test_zero3_table_gathers_repeated_runs(tmp_path):
     assert "150 ms (100-200)" in n2 and "| 1.000 |" in n2, n2
 
 
+def test_zero3_table_gives_driver_calls_and_allocator_time(tmp_path):
+    """gmlake's driver calls and (with host_timing) its own time a step: medians over its runs;
+    "-" where a run did not record them (baselines, or gmlake without host_timing)."""
+    def run(a, step, calls=None, ms=None):
+        r = {"kind": "workload", "tag": "zero3-R", "allocator": a, "ok": True, "median_step_s": step,
+             "peak_active_bytes": 9 * GiB, "peak_reserved_bytes": 10 * GiB, "model": {"losses": [1.0]}}
+        if calls is not None:
+            r["median_driver_calls_per_step"] = calls
+        if ms is not None:
+            r["median_allocator_ms_per_step"] = ms
+        return r
+    recs = [run("native", 0.5), run("gmlake+host_timing:1", 0.6, 2400, 80.0),
+            run("gmlake+host_timing:1", 0.6, 2600, 100.5), run("gmlake+host_timing:1", 0.6, 5000, 60.0),
+            run("gmlake", 0.6, 3000)]
+    lines = _zero3_table(tmp_path, recs)
+    assert "driver calls a step" in lines[0] and "allocator ms a step" in lines[0], lines[0]
+    g = next(x for x in lines if x.startswith("| R | gmlake+host_timing:1"))
+    assert g.rstrip().endswith("| 2,600 | 80.0 |"), g
+    plain = next(x for x in lines if x.startswith("| R | gmlake |"))
+    assert plain.rstrip().endswith("| 3,000 | - |"), plain
+    n = next(x for x in lines if x.startswith("| R | native"))
+    assert n.rstrip().endswith("| - | - |"), n
+
+
 def test_zero3_run_names_a_bad_repeat(tmp_path):
     r = subprocess.run(["bash", str(BENCH / "deepspeed" / "run.sh"), "/nonexistent/libgmlake_torch.so"],
                        env=dict(os.environ, REPEAT="0", OUT=str(tmp_path)), capture_output=True,
