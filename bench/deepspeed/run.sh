@@ -14,7 +14,9 @@
 # SEARCH (1: search the largest LR batch; CAP_GIB, default 40), DS_WHEELS (a folder of wheels
 # to install DeepSpeed and its missing dependencies from, without network; default
 # .artifacts/ds, made by bench/deepspeed/wheels.sh), TRACE_STRATEGIES (strategies whose native
-# run records its allocator trace, for `gmlake replay`: $OUT/zero3/zero3-S-native.pickle.gz).
+# run records its allocator trace, for `gmlake replay`: $OUT/zero3/zero3-S-native.pickle.gz),
+# EXTRA_ARGS (more arguments for every run of bench/workloads/zero3.py, e.g. "--profile-step 2":
+# a GPU timeline of the third measured step on every rank, beside results.jsonl).
 # Results: $OUT/zero3/results.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -66,7 +68,7 @@ for s in $STRATEGIES; do
         && trace=(--record-trace "$O/zero3-$s-native.pickle.gz")
       t0=$SECONDS
       launch "$a" "${trace[@]}" --strategy "$s" --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --tag "zero3-$s" \
-        --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
+        --out "$O/results.jsonl" ${EXTRA_ARGS:-} >>"$O/run.log" 2>&1 || echo "   exited with $?"
       echo "   took $((SECONDS - t0)) s"
     done
   done

@@ -444,3 +444,52 @@ def test_ops_gpu_refuses_missing_inputs_and_prints_its_table(tmp_path):
     # A second library's runs (OPS_LIB_B) are read as gmlake's, under their own label.
     assert rows[2][:4] == ["moe", "gmlake-b", "700", "1"]
     assert len(rows) == 3
+
+
+def _common():
+    sys.path.insert(0, str(BENCH / "workloads"))
+    import common
+    return common
+
+
+def test_profile_summary_of_a_trace():
+    """--profile-step's summary: per stream the union of its device operations and their
+    span; host runtime and driver calls by total time; other events ignored."""
+    common = _common()
+
+    def x(cat, name, ts, dur, stream=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+        if stream is not None:
+            e["args"] = {"stream": stream}
+        return e
+    trace = {"traceEvents": [
+        x("kernel", "gemm", 0, 100, 7), x("kernel", "add", 50, 100, 7),    # overlap: 150 us busy
+        x("gpu_memcpy", "HtoD", 400, 100, 7),                            # + 100 us
+        x("kernel", "nccl", 0, 1000, 13),
+        x("cuda_runtime", "cudaLaunchKernel", 0, 5, None), x("cuda_runtime", "cudaLaunchKernel", 10, 5, None),
+        x("cuda_driver", "cuMemMap", 20, 30, None),
+        x("cpu_op", "aten::mm", 0, 999, None),
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 3},
+    ]}
+    s = common.profile_summary(trace)
+    assert s["streams"]["7"] == {"ops": 3, "busy_ms": 0.25, "span_ms": 0.5}, s
+    assert s["streams"]["13"] == {"ops": 1, "busy_ms": 1.0, "span_ms": 1.0}, s
+    assert s["host_calls"] == [["cuMemMap", 0.03, 1], ["cudaLaunchKernel", 0.01, 2]], s
+    assert s["device_ops"][0] == ["nccl", 1.0, 1] and ["add", 0.1, 1] in s["device_ops"], s
+    assert common.profile_summary({}) == {"streams": {}, "host_calls": [], "device_ops": []}
+
+
+def test_profile_step_on_cpu(tmp_path):
+    """--profile-step end to end on the CPU (skipped without torch): the step is profiled,
+    summed up in the record, its trace written beside --out, and left out of the timings."""
+    pytest.importorskip("torch")
+    out = tmp_path / "r.jsonl"
+    r = subprocess.run([sys.executable, str(BENCH / "workloads" / "concat_cache.py"), "--device", "cpu",
+                        "--tiny", "--steps", "3", "--warmup", "1", "--profile-step", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    run = next(x for x in map(json.loads, out.read_text().splitlines()) if x["kind"] == "workload")
+    assert run["ok"] and len(run["step_times_s"]) == 2, run.get("step_times_s")
+    p = run["profile"]
+    assert p["step"] == 1 and p["wall_ms"] > 0 and p["streams"] == {}, p
+    assert Path(p["trace"]).exists() and p["trace"].endswith(".step1.trace.json.gz")

@@ -80,6 +80,12 @@ def base_parser(name: str, description: str, defaults: Dict[str, Any]) -> argpar
                         "no stacks) from the model's build to the end of the measured run and "
                         "write them, in the layout of torch.cuda.memory._snapshot() with only "
                         "device_traces, to this pickle (.gz: gzip); gmlake replay reads it")
+    g.add_argument("--profile-step", type=int, default=-1,
+                   help="profile this measured step (0: the first) with torch.profiler (CPU and "
+                        "CUDA activities): its chrome trace goes to OUT.stepN.trace.json.gz beside "
+                        "--out, and the record's `profile` sums it up (per CUDA stream the time "
+                        "busy with kernels, copies and memsets; the host's time in CUDA runtime "
+                        "and driver calls by name); the step is left out of the timings")
     g.add_argument("--tag", default="", help="free text stored in the records")
     g.add_argument("--label", default="",
                    help="name recorded as the allocator (e.g. native2 for a second native run)")
@@ -316,18 +322,107 @@ HOST_NS = "host_ns"
 
 
 
+def _merged_ms(intervals: List[tuple]) -> float:
+    """Milliseconds covered by the union of (start, end) intervals in microseconds."""
+    total, cur_s, cur_e = 0.0, None, None
+    for st, en in sorted(intervals):
+        if cur_e is None or st > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = st, en
+        else:
+            cur_e = max(cur_e, en)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total / 1e3
+
+
+def profile_summary(trace: Dict[str, Any], top: int = 10) -> Dict[str, Any]:
+    """What a torch.profiler chrome trace of one step says about where its time went: per
+    CUDA stream, the operations on the device (kernels, copies, memsets), the time they kept
+    the stream busy (their union) and the span from the first start to the last end; and the
+    host's time in CUDA runtime and driver calls, by name, largest first. A stream busy for
+    much less than the step while the host waits points at device-side waits; kernels longer
+    than another allocator's at the kernels (`device_ops`: device time by operation name,
+    largest first); host calls at the host."""
+    streams: Dict[str, List[tuple]] = {}
+    host: Dict[str, List[float]] = {}
+    device: Dict[str, List[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or "ts" not in e:
+            continue
+        cat, ts, dur = e.get("cat", ""), float(e["ts"]), float(e.get("dur", 0))
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            sid = str((e.get("args") or {}).get("stream", "?"))
+            streams.setdefault(sid, []).append((ts, ts + dur))
+            d = device.setdefault(e.get("name", "?"), [0.0, 0])
+            d[0] += dur
+            d[1] += 1
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            h = host.setdefault(e.get("name", "?"), [0.0, 0])
+            h[0] += dur
+            h[1] += 1
+    out_streams = {}
+    for sid, iv in sorted(streams.items()):
+        out_streams[sid] = {"ops": len(iv), "busy_ms": round(_merged_ms(iv), 3),
+                            "span_ms": round((max(e for _, e in iv) - min(s for s, _ in iv)) / 1e3, 3)}
+    def largest(d):
+        return [[name, round(us / 1e3, 3), n]
+                for name, (us, n) in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
+    return {"streams": out_streams, "host_calls": largest(host), "device_ops": largest(device)}
+
+
+def _profiled_step(args, wl, batch: int, shape: dict, device: str, n: int) -> Dict[str, Any]:
+    """Runs one step under torch.profiler; writes its trace beside --out and sums it up."""
+    import gzip
+    import tempfile
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        wl.step(batch, shape)
+        sync(device)
+        wall = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw) as f:
+            trace = json.load(f)
+    rec = {"step": n, "wall_ms": round(wall * 1e3, 3), "torch": torch.__version__}
+    rec.update(profile_summary(trace))
+    if args.out:
+        path = f"{args.out}.step{n}.trace.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump(trace, f)
+        rec["trace"] = path
+    return rec
+
+
 def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from: int,
               calls_out: Optional[List[int]] = None,
               kinds_out: Optional[Dict[str, int]] = None,
-              host_ms_out: Optional[List[float]] = None) -> List[float]:
+              host_ms_out: Optional[List[float]] = None,
+              profile_out: Optional[Dict[str, Any]] = None) -> List[float]:
     """Runs the steps; times the ones from `timed_from`. With `calls_out`, appends gmlake's
     driver calls made by each timed step (read between steps, outside the timing); with
     `kinds_out`, adds them up by kind over the timed steps; with `host_ms_out`, appends the
-    milliseconds each timed step spent in gmlake's allocations and frees (`host_timing`)."""
+    milliseconds each timed step spent in gmlake's allocations and frees (`host_timing`).
+    With `profile_out` and `--profile-step N`, the N-th timed step runs under torch.profiler
+    (`_profiled_step`), is not timed, and its summary goes to `profile_out`."""
     times = []
+    prof_at = getattr(args, "profile_step", -1)
+    prof_at = timed_from + prof_at if prof_at >= 0 and profile_out is not None else -1
     for i, shape in enumerate(shapes):
         _fake_oom(args, batch)
         sync(device)
+        if i == prof_at:
+            profile_out.update(_profiled_step(args, wl, batch, shape, device, i - timed_from))
+            continue
         before = driver_calls_by_kind() if calls_out is not None and i >= timed_from else None
         t0 = time.perf_counter()
         wl.step(batch, shape)
@@ -357,8 +452,11 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
         calls: List[int] = []
         kinds: Dict[str, int] = {}
         host_ms: List[float] = []
+        prof: Dict[str, Any] = {}
         times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls, kinds,
-                          host_ms)
+                          host_ms, prof)
+        if prof:
+            rec["profile"] = prof
         if host_ms:
             # `host_timing`: the allocator's own time in each step, and its median.
             rec["allocator_ms_per_step"] = [round(x, 3) for x in host_ms]
