@@ -13,7 +13,12 @@ gmlake's rows also give its driver calls a step and, when it ran with `host_timi
 (`ALLOCATORS="gmlake+host_timing:1"`), the allocator's own time a step (allocations and frees,
 driver calls included): the medians over the timed steps, then over the runs. That time is an
 upper bound of what the allocator can add to a step, read in the job itself, and far less
-noisy than the step: runs of one allocator differ by 10-30% on these jobs."""
+noisy than the step: runs of one allocator differ by 10-30% on these jobs.
+
+Runs made with `EXTRA_ARGS="--profile-step N"` get a second table, one row per run and rank
+(rank 0 from the results file, rank k from its `.rankK` sibling): the profiled step's wall
+time, its busiest CUDA streams (busy time / span), and the largest host calls and device
+operations by time, to compare where each allocator's step goes."""
 
 import os
 import statistics
@@ -47,6 +52,32 @@ def per_step(runs, key):
         return "-"
     m = statistics.median(vals)
     return f"{m:,.0f}" if m >= 100 else f"{m:.1f}"
+
+
+def _top(items, n=3):
+    return "; ".join(f"{name[:40]} {ms:.1f} ms x{k}" for name, ms, k in (items or [])[:n]) or "-"
+
+
+def profile_rows(path: str):
+    """One row per profiled run and rank (see the module's doc)."""
+    import glob
+    import re
+    files = [(0, path)] + sorted(
+        (int(m.group(1)), f) for f in glob.glob(glob.escape(path) + ".rank*")
+        if (m := re.search(r"\.rank(\d+)$", f)))
+    rows = []
+    for rank, f in files:
+        for r in report.load([f]):
+            p = r.get("profile") if r.get("kind") == "workload" else None
+            if not p:
+                continue
+            streams = sorted((p.get("streams") or {}).items(), key=lambda kv: -kv[1]["busy_ms"])
+            busy = "; ".join(f"{sid}: {v['busy_ms']:.0f}/{v['span_ms']:.0f} ms ({v['ops']})"
+                             for sid, v in streams[:3]) or "-"
+            rows.append([r.get("tag", "").replace("zero3-", ""), r["allocator"], str(rank),
+                         str(p.get("step", "?")), f"{p.get('wall_ms', 0):.0f} ms", busy,
+                         _top(p.get("host_calls")), _top(p.get("device_ops"))])
+    return rows
 
 
 def main(path: str) -> int:
@@ -94,6 +125,12 @@ def main(path: str) -> int:
             [[a, f"{r.get('max_batch', '?')}"
                  + ("" if r.get("search_complete") else f" (>=; stopped: {r.get('stopped')})")]
              for a, r in search.items()])))
+    prof = profile_rows(path)
+    if prof:
+        print()
+        print("\n".join(report.table(
+            ["strategy", "allocator", "rank", "profiled step", "wall", "streams busy / span (ops)",
+             "host calls", "device operations"], prof)))
     return 0
 
 

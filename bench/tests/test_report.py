@@ -315,6 +315,30 @@ def test_zero3_table_gives_driver_calls_and_allocator_time(tmp_path):
     assert n.rstrip().endswith("| - | - |"), n
 
 
+def test_zero3_table_lists_profiled_steps_per_rank(tmp_path):
+    """--profile-step's summaries: a row per run and rank, rank k read from the .rankK file,
+    the busiest streams first; no profile table when no run was profiled."""
+    def run(a, busy):
+        return {"kind": "workload", "tag": "zero3-R", "allocator": a, "ok": True, "median_step_s": 0.5,
+                "peak_active_bytes": GiB, "peak_reserved_bytes": GiB, "model": {"losses": [1.0]},
+                "profile": {"step": 2, "wall_ms": 812.4,
+                            "streams": {"7": {"ops": 900, "busy_ms": busy, "span_ms": 800.0},
+                                        "13": {"ops": 40, "busy_ms": 300.0, "span_ms": 790.0}},
+                            "host_calls": [["cuMemMap", 12.5, 300], ["cudaLaunchKernel", 9.0, 900]],
+                            "device_ops": [["ncclAllGather", 250.0, 40]]}}
+    (tmp_path / "r.jsonl.rank1").write_text(json.dumps(run("gmlake", 100.0)))
+    lines = _zero3_table(tmp_path, [run("gmlake", 500.0)])
+    rows = [x for x in lines if x.startswith("| R | gmlake | ") and "812 ms" in x]
+    assert len(rows) == 2, lines
+    assert "| 0 | 2 | 812 ms | 7: 500/800 ms (900); 13: 300/790 ms (40) |" in rows[0], rows[0]
+    assert "| 1 | 2 | 812 ms | 13: 300/790 ms (40); 7: 100/800 ms (900) |" in rows[1], rows[1]
+    assert "cuMemMap 12.5 ms x300" in rows[0] and "ncclAllGather 250.0 ms x40" in rows[0], rows[0]
+    other = tmp_path / "plain"
+    other.mkdir()
+    plain = _zero3_table(other, [dict(run("gmlake", 1.0), profile=None)])
+    assert not any("profiled step" in x for x in plain), plain
+
+
 def test_zero3_run_names_a_bad_repeat(tmp_path):
     r = subprocess.run(["bash", str(BENCH / "deepspeed" / "run.sh"), "/nonexistent/libgmlake_torch.so"],
                        env=dict(os.environ, REPEAT="0", OUT=str(tmp_path)), capture_output=True,
