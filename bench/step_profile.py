@@ -7,7 +7,8 @@ means the step is host-bound, and then the allocator's share is its time per ope
     PYTHONPATH=python python3 bench/step_profile.py WORKLOAD --allocator A [workload options]
 
 WORKLOAD is a module of bench/workloads (moe, concat_cache, ...). The measured steps alternate:
-one timed by the wall clock, the next profiled (the profiler slows it). Prints one JSON line.
+one timed by the wall clock, the next profiled (the profiler slows it; `common.profiled_step`,
+whose device time, kernels, copies and memsets, is the kernel time here). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ def main(argv) -> int:
     args = p.parse_args(argv[1:])
     name = common.setup_allocator(args.allocator, args.gmlake_conf, args.device)
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -55,12 +55,9 @@ def main(argv) -> int:
         torch.cuda.synchronize()
         measured = i >= args.warmup
         if measured and (i - args.warmup) % 2 == 1:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                wl.step(args.batch, shape)
-                torch.cuda.synchronize()
-            us = sum(e.time_range.elapsed_us() for e in prof.events()
-                     if str(getattr(e, "device_type", "")).endswith("CUDA"))
-            kernel.append(us / 1e3)
+            p = common.profiled_step(args, wl, args.batch, shape, args.device, i - args.warmup,
+                                     write_trace=False)
+            kernel.append(p["device_ms"])
             continue
         a0 = allocations()
         t0 = time.perf_counter()

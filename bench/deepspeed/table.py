@@ -20,7 +20,9 @@ Runs made with `EXTRA_ARGS="--profile-step N"` get a second table, one row per r
 time, its busiest CUDA streams (busy time / span), and the largest host calls and device
 operations by time, to compare where each allocator's step goes."""
 
+import glob
 import os
+import re
 import statistics
 import sys
 from collections import OrderedDict
@@ -60,8 +62,6 @@ def _top(items, n=3):
 
 def profile_rows(path: str):
     """One row per profiled run and rank (see the module's doc)."""
-    import glob
-    import re
     files = [(0, path)] + sorted(
         (int(m.group(1)), f) for f in glob.glob(glob.escape(path) + ".rank*")
         if (m := re.search(r"\.rank(\d+)$", f)))

@@ -500,7 +500,9 @@ def test_profile_summary_of_a_trace():
     assert s["streams"]["13"] == {"ops": 1, "busy_ms": 1.0, "span_ms": 1.0}, s
     assert s["host_calls"] == [["cuMemMap", 0.03, 1], ["cudaLaunchKernel", 0.01, 2]], s
     assert s["device_ops"][0] == ["nccl", 1.0, 1] and ["add", 0.1, 1] in s["device_ops"], s
-    assert common.profile_summary({}) == {"streams": {}, "host_calls": [], "device_ops": []}
+    assert s["device_ms"] == 1.3, s
+    assert common.profile_summary({}) == {"streams": {}, "host_calls": [], "device_ops": [],
+                                          "device_ms": 0}
 
 
 def test_profile_step_on_cpu(tmp_path):

@@ -344,7 +344,7 @@ def profile_summary(trace: Dict[str, Any], top: int = 10) -> Dict[str, Any]:
     host's time in CUDA runtime and driver calls, by name, largest first. A stream busy for
     much less than the step while the host waits points at device-side waits; kernels longer
     than another allocator's at the kernels (`device_ops`: device time by operation name,
-    largest first); host calls at the host."""
+    largest first; `device_ms`: all of it); host calls at the host."""
     streams: Dict[str, List[tuple]] = {}
     host: Dict[str, List[float]] = {}
     device: Dict[str, List[float]] = {}
@@ -369,11 +369,14 @@ def profile_summary(trace: Dict[str, Any], top: int = 10) -> Dict[str, Any]:
     def largest(d):
         return [[name, round(us / 1e3, 3), n]
                 for name, (us, n) in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
-    return {"streams": out_streams, "host_calls": largest(host), "device_ops": largest(device)}
+    return {"streams": out_streams, "host_calls": largest(host), "device_ops": largest(device),
+            "device_ms": round(sum(us for us, _ in device.values()) / 1e3, 3)}
 
 
-def _profiled_step(args, wl, batch: int, shape: dict, device: str, n: int) -> Dict[str, Any]:
-    """Runs one step under torch.profiler; writes its trace beside --out and sums it up."""
+def profiled_step(args, wl, batch: int, shape: dict, device: str, n: int,
+                  write_trace: bool = True) -> Dict[str, Any]:
+    """Runs step `n` under torch.profiler and sums it up (`profile_summary`); with
+    `write_trace` and --out, writes its chrome trace beside --out."""
     import gzip
     import tempfile
 
@@ -395,7 +398,7 @@ def _profiled_step(args, wl, batch: int, shape: dict, device: str, n: int) -> Di
             trace = json.load(f)
     rec = {"step": n, "wall_ms": round(wall * 1e3, 3), "torch": torch.__version__}
     rec.update(profile_summary(trace))
-    if args.out:
+    if write_trace and args.out:
         path = f"{args.out}.step{n}.trace.json.gz"
         with gzip.open(path, "wt") as f:
             json.dump(trace, f)
@@ -413,7 +416,7 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
     `kinds_out`, adds them up by kind over the timed steps; with `host_ms_out`, appends the
     milliseconds each timed step spent in gmlake's allocations and frees (`host_timing`).
     With `profile_out` and `--profile-step N`, the N-th timed step runs under torch.profiler
-    (`_profiled_step`), is not timed, and its summary goes to `profile_out`."""
+    (`profiled_step`), is not timed, and its summary goes to `profile_out`."""
     times = []
     prof_at = getattr(args, "profile_step", -1)
     prof_at = timed_from + prof_at if prof_at >= 0 and profile_out is not None else -1
@@ -421,7 +424,7 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
         _fake_oom(args, batch)
         sync(device)
         if i == prof_at:
-            profile_out.update(_profiled_step(args, wl, batch, shape, device, i - timed_from))
+            profile_out.update(profiled_step(args, wl, batch, shape, device, i - timed_from))
             continue
         before = driver_calls_by_kind() if calls_out is not None and i >= timed_from else None
         t0 = time.perf_counter()
