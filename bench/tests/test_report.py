@@ -505,6 +505,20 @@ def test_profile_summary_of_a_trace():
                                           "device_ms": 0}
 
 
+def test_trace_path_names_each_run(tmp_path):
+    """Runs that append to one results file keep their own traces: named by label, numbered
+    when the label ran before, the label made safe for a file name."""
+    sys.path.insert(0, str(BENCH / "workloads"))
+    import common
+    out = str(tmp_path / "r.jsonl")
+    first = common.trace_path(out, "gmlake+host_timing:1,cross_stream_wait:0", 2)
+    assert first == out + ".gmlake_host_timing_1_cross_stream_wait_0.step2.trace.json.gz", first
+    Path(first).write_text("x")
+    again = common.trace_path(out, "gmlake+host_timing:1,cross_stream_wait:0", 2)
+    assert again != first and again.endswith("-2.step2.trace.json.gz"), again
+    assert common.trace_path(out, "", 0) == out + ".step0.trace.json.gz"
+
+
 def test_profile_step_on_cpu(tmp_path):
     """--profile-step end to end on the CPU (skipped without torch): the step is profiled,
     summed up in the record, its trace written beside --out, and left out of the timings."""

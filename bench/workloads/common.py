@@ -82,7 +82,7 @@ def base_parser(name: str, description: str, defaults: Dict[str, Any]) -> argpar
                         "device_traces, to this pickle (.gz: gzip); gmlake replay reads it")
     g.add_argument("--profile-step", type=int, default=-1,
                    help="profile this measured step (0: the first) with torch.profiler (CPU and "
-                        "CUDA activities): its chrome trace goes to OUT.stepN.trace.json.gz beside "
+                        "CUDA activities): its chrome trace goes to OUT[.LABEL].stepN.trace.json.gz beside "
                         "--out, and the record's `profile` sums it up (per CUDA stream the time "
                         "busy with kernels, copies and memsets; the host's time in CUDA runtime "
                         "and driver calls by name); the step is left out of the timings")
@@ -373,6 +373,19 @@ def profile_summary(trace: Dict[str, Any], top: int = 10) -> Dict[str, Any]:
             "device_ms": round(sum(us for us, _ in device.values()) / 1e3, 3)}
 
 
+def trace_path(out: str, label: str, n: int) -> str:
+    """Where step `n`'s chrome trace goes: beside `out`, named by the run's label (several
+    runs append to one results file), and numbered when that label ran before."""
+    import re
+
+    base = out + ("." + re.sub(r"[^A-Za-z0-9._-]+", "_", label) if label else "")
+    path, k = f"{base}.step{n}.trace.json.gz", 1
+    while os.path.exists(path):
+        k += 1
+        path = f"{base}-{k}.step{n}.trace.json.gz"
+    return path
+
+
 def profiled_step(args, wl, batch: int, shape: dict, device: str, n: int,
                   write_trace: bool = True) -> Dict[str, Any]:
     """Runs step `n` under torch.profiler and sums it up (`profile_summary`); with
@@ -399,7 +412,7 @@ def profiled_step(args, wl, batch: int, shape: dict, device: str, n: int,
     rec = {"step": n, "wall_ms": round(wall * 1e3, 3), "torch": torch.__version__}
     rec.update(profile_summary(trace))
     if write_trace and args.out:
-        path = f"{args.out}.step{n}.trace.json.gz"
+        path = trace_path(args.out, getattr(args, "label", ""), n)
         with gzip.open(path, "wt") as f:
             json.dump(trace, f)
         rec["trace"] = path
