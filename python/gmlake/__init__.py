@@ -394,8 +394,7 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.initialized`` (0 until the device's first allocation, all counters then zero),
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>`` (``stream_wait``: the
     device-side waits of ``cross_stream_wait``), ``gmlake.stream_waits_failed`` (waits the
-    device refused), ``gmlake.stream_waits_skipped`` (misses that created memory within
-    ``wait_util``'s budget instead of waiting), ``gmlake.pages_created_unfenced`` (pages created while another stream's
+    device refused), ``gmlake.pages_created_unfenced`` (pages created while another stream's
     freed pages were still in use by its queued work), ``gmlake.reuses_unfenced`` (kept
     windows not taken because the stream had not yet finished the work queued before their
     addresses were freed), ``gmlake.reuses_awaited`` (such windows taken after waiting for

@@ -826,35 +826,21 @@ fn windows_split_the_driver_calls_and_add_up() {
 /// event at once does not see it; `--busy-side-streams` without `cross_stream_wait` does (new
 /// memory instead of the side stream's freed pages: 0.93, what the GPU showed while its waits
 /// failed), and `cross_stream_wait` (the default) takes those pages behind a device-side wait:
-/// with `wait_util=1` (a wait wherever new memory would raise the held memory above the peak
-/// active) the utilization of the instant model comes back with a few dozen waits (the GPU
-/// made 96 in 300 steps); with the default budget (0.98) some of those misses create memory
-/// instead: fewer waits, utilization still at least 0.975.
+/// the utilization of the instant model comes back with a few dozen waits (the GPU made 96 in
+/// 300 steps).
 #[test]
 fn busy_side_streams_show_the_fsdp2_fences_and_cross_stream_wait_takes_their_pages() {
     let run = |args: &[&str]| replay_row("fsdp2-2rank-rank0.pickle.gz", args);
     let util = |r: &Value| r["utilization"].as_f64().unwrap();
-    let waits = |r: &Value| r["driver_calls"]["stream_wait"].as_u64().unwrap();
     let instant = run(&[]);
     let busy = run(&["--busy-side-streams", "--set", "cross_stream_wait=0"]);
-    let waiting = run(&["--busy-side-streams", "--set", "wait_util=1"]);
-    let budget = run(&["--busy-side-streams"]);
+    let waiting = run(&["--busy-side-streams"]);
     assert!(util(&instant) >= 0.98, "{instant}");
     assert!(util(&busy) <= 0.95, "busy side streams: {busy}");
-    assert_eq!(waits(&busy), 0);
+    assert_eq!(busy["driver_calls"]["stream_wait"].as_u64(), Some(0));
     assert!(util(&waiting) >= 0.98, "cross_stream_wait: {waiting}");
-    assert!(
-        waits(&waiting) > 0 && waits(&waiting) < 200,
-        "{} stream waits",
-        waits(&waiting)
-    );
-    assert!(util(&budget) >= 0.975, "wait_util=0.98: {budget}");
-    assert!(
-        waits(&budget) < waits(&waiting),
-        "wait_util=0.98: {} waits, {} with wait_util=1",
-        waits(&budget),
-        waits(&waiting)
-    );
+    let waits = waiting["driver_calls"]["stream_wait"].as_u64().unwrap();
+    assert!(waits > 0 && waits < 200, "{waits} stream waits");
     // A single-stream trace is the same under both models.
     let one = |args: &[&str]| replay_row("decode.pickle", args)["peak_reserved_bytes"].clone();
     assert_eq!(one(&[]), one(&["--busy-side-streams"]));

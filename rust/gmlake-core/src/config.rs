@@ -91,15 +91,6 @@ pub struct Config {
     /// that always has work queued (FSDP2's all-gather stream) costs new memory at every such
     /// miss (FSDP2 on two H200s: 0.94 utilization without, 0.99 with, same step time).
     pub cross_stream_wait: bool,
-    /// `wait_util`: with `cross_stream_wait`, a miss that would wait creates memory instead
-    /// while the memory held stays within the peak of active bytes (since the allocator
-    /// started; `reset_peak_stats` does not lower it) / wait_util, and waits beyond that. A
-    /// device-side wait makes the allocating stream wait for everything the other stream
-    /// has queued, on every step that misses the same way; a page created once stays in the
-    /// stream's pool, so the next step's miss finds its own stream's pages. 1 waits wherever
-    /// new memory would hold more than the peak active (nearly always: the behaviour before
-    /// this option); the default 0.98 creates memory instead within 2% above that.
-    pub wait_util: f64,
     /// `host_timing`: the bridge to PyTorch (gmlake-ffi) times every allocation and free that
     /// PyTorch's allocator interface passes to the core (lock, bookkeeping, driver calls; not
     /// the host tier's own, nor blocks placed at a given address for IPC), and reports the
@@ -133,7 +124,6 @@ impl Default for Config {
             debug: crate::debug::DebugConfig::default(),
             util_target: None,
             cross_stream_wait: true,
-            wait_util: 0.98,
             host_timing: false,
         }
     }
@@ -160,7 +150,6 @@ pub const CONFIG_KEYS: &[&str] = &[
     "debug_canary_bytes",
     "util_target",
     "cross_stream_wait",
-    "wait_util",
     "host_timing",
 ];
 
@@ -428,14 +417,6 @@ impl Config {
                 };
             }
             "cross_stream_wait" | "crossstreamwait" => self.cross_stream_wait = parse_bool(key, v)?,
-            "wait_util" | "waitutil" => {
-                let why = "expected a fraction in (0, 1]";
-                let f: f64 = v.parse().map_err(|_| invalid(key, value, why))?;
-                if !(f > 0.0 && f <= 1.0) {
-                    return Err(invalid(key, value, why));
-                }
-                self.wait_util = f;
-            }
             "host_timing" | "hosttiming" => self.host_timing = parse_bool(key, v)?,
             "small_size" | "smallsize" => {
                 let s = size(key)?;
@@ -543,7 +524,6 @@ impl Config {
                 "cross_stream_wait",
                 (self.cross_stream_wait as u8).to_string(),
             ),
-            ("wait_util", self.wait_util.to_string()),
             ("host_timing", (self.host_timing as u8).to_string()),
             (
                 "memory_fraction",
@@ -655,13 +635,6 @@ mod tests {
         assert!(c.cross_stream_wait);
         let e = c.set("cross_stream_wait", "sometimes").unwrap_err();
         assert!(e.to_string().contains("cross_stream_wait"), "{e}");
-        assert_eq!(c.wait_util, 0.98, "default");
-        c.set("wait_util", "1").unwrap();
-        assert_eq!(c.wait_util, 1.0);
-        for bad in ["0", "1.5", "-0.1", "nan", "most"] {
-            let e = c.set("wait_util", bad).unwrap_err();
-            assert!(e.to_string().contains("wait_util"), "{bad}: {e}");
-        }
         assert!(!c.host_timing, "off by default");
         c.set("host_timing", "1").unwrap();
         assert!(c.host_timing);

@@ -183,9 +183,6 @@ macro_rules! for_device_stats {
                 /// `cross_stream_wait`: device-side waits the device refused (the miss created
                 /// memory instead).
                 stream_waits_failed: u64 = accumulated,
-                /// `wait_util`: misses that created memory instead of waiting on the device
-                /// for another stream, because the memory held stayed within the budget.
-                stream_waits_skipped: u64 = accumulated,
                 /// Kept windows a miss did not take because replacing their busy aliases had
                 /// to wait for work queued on their stream before those addresses were last
                 /// freed (a new range was made instead). The host runs ahead of a GPU, so this

@@ -46,10 +46,9 @@ fn config() -> impl Strategy<Value = Config> {
         0usize..3,
         0usize..3,
         prop::bool::ANY,
-        0usize..3,
     )
         .prop_map(
-            |(level, strategy, small_frag, aliases, target, wait, budget)| Config {
+            |(level, strategy, small_frag, aliases, target, wait)| Config {
                 defrag_level: level,
                 stitch_strategy: [
                     StitchStrategy::BestFit,
@@ -66,9 +65,6 @@ fn config() -> impl Strategy<Value = Config> {
                 util_target: [None, Some(0.9), Some(0.5)][target],
                 // Take another stream's pending pages by waiting for it on the device.
                 cross_stream_wait: wait,
-                // New memory instead of a wait within the default budget, waits nearly always,
-                // or new memory up to twice the peak active.
-                wait_util: [0.98, 1.0, 0.5][budget],
                 ..Config::default()
             },
         )

@@ -129,10 +129,6 @@ struct State {
     /// queued at that stamp (`cross_stream_wait`), so `other`'s frees up to it are safe for
     /// `stream`'s later work.
     waited: FxHashMap<(StreamId, StreamId), u64>,
-    /// The peak of active bytes before the last `reset_peak_stats` (the stats' own peak
-    /// holds it since): `wait_util` measures new memory against the job's peak, which a
-    /// user's reset must not lower.
-    active_peak_before_reset: u64,
     /// Every physical page: how many, where each is active, spares.
     book: pages::PageBook,
     released_pools: FxHashSet<GraphPoolId>,
@@ -258,7 +254,6 @@ impl<D: Device> Allocator<D> {
             event_pool: Vec::new(),
             fences: FxHashMap::default(),
             waited: FxHashMap::default(),
-            active_peak_before_reset: 0,
             book: pages::PageBook::default(),
             released_pools: FxHashSet::default(),
             captures: 0,
@@ -528,9 +523,7 @@ impl<D: Device> Allocator<D> {
     }
 
     pub fn reset_peak_stats(&self) {
-        let mut st = self.state.lock();
-        st.active_peak_before_reset = st.active_high_water();
-        st.stats.reset_peak();
+        self.state.lock().stats.reset_peak();
     }
 
     pub fn reset_accumulated_stats(&self) {

@@ -25,15 +25,6 @@ pub(super) struct PageBook {
 /// served covers them.
 pub(super) type Exclude = (u64, u64);
 
-/// Whether a miss may make its stream wait on the device for another's (`cross_stream_wait`).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(super) enum Wait {
-    /// Only where new memory would exceed `wait_util`'s budget.
-    WithinBudget,
-    /// Whenever it would give pages (new memory could not be had).
-    Always,
-}
-
 /// A range that a miss can take with no driver call: free mapped blocks and lent pages
 /// whose physical pages are free where they are active.
 pub(super) struct Reuse {
@@ -95,8 +86,8 @@ impl State {
             ((self.book.physical + need) * self.page) as f64 <= active as f64 / t
         });
         let steal_first = stitch && level == 0 && !within_budget;
-        let avail = if steal_first {
-            self.stealable_for(dev, aid, need, exclude, Wait::WithinBudget)?
+        let mut avail = if steal_first {
+            self.stealable_for(dev, aid, need, exclude)?
         } else {
             0
         };
@@ -105,7 +96,7 @@ impl State {
         if let Some(limit) = self.limit {
             let creatable = (limit / self.page).saturating_sub(self.book.physical);
             let later = if stitch && !steal_first {
-                self.stealable_for(dev, aid, need, exclude, Wait::WithinBudget)?
+                self.stealable_for(dev, aid, need, exclude)?
             } else {
                 0
             };
@@ -127,11 +118,10 @@ impl State {
         }
         let short = need - steal - created.len() as u64;
         if short > 0 && stitch {
-            // Fewer pages created than asked (the device is full): take what other streams
-            // freed, waiting for them on the device if need be, whatever `wait_util` says.
-            let rest = need - created.len() as u64;
-            let avail = self.stealable_for(dev, aid, rest, exclude, Wait::Always)?;
-            steal = rest.min(avail);
+            if !steal_first {
+                avail = self.stealable_for(dev, aid, short, exclude)?;
+            }
+            steal += short.min(avail.saturating_sub(steal));
         }
         if steal + (created.len() as u64) < need {
             self.book.spare.extend(out.into_iter().map(|p| p.0));
@@ -203,7 +193,6 @@ impl State {
         aid: u32,
         want: u64,
         exclude: Exclude,
-        wait: Wait,
     ) -> Result<u64> {
         let target = self.arenas[aid as usize].key;
         let excluded = self.arenas[aid as usize].free_interior_in(exclude.0, exclude.1);
@@ -226,38 +215,11 @@ impl State {
                 .sum()
         };
         let mut other = fenced(self);
-        let waitable = || {
-            self.unfenced_arenas(target.stream)
-                .any(|a| a.stealable_pages > 0)
-        };
-        if same + other < want && self.cfg.cross_stream_wait && self.captures == 0 && waitable() {
-            let short = want - same - other;
-            if wait == Wait::WithinBudget && self.may_create_instead_of_waiting(short) {
-                self.stats.stream_waits_skipped += 1;
-            } else {
-                self.wait_for_streams(dev, target.stream)?;
-                other = fenced(self);
-            }
+        if same + other < want && self.cfg.cross_stream_wait && self.captures == 0 {
+            self.wait_for_streams(dev, target.stream)?;
+            other = fenced(self);
         }
         Ok(same + other)
-    }
-
-    /// `wait_util`: whether `short` new pages keep the memory held within the job's peak of
-    /// active bytes / `wait_util`, and within the limit. Then a miss creates them rather than
-    /// make its stream wait on the device for another's queue: a wait is paid at every step
-    /// that misses the same way, a page once.
-    fn may_create_instead_of_waiting(&self, short: u64) -> bool {
-        let pages = self.book.physical + short;
-        if self.limit.is_some_and(|l| pages > l / self.page) {
-            return false;
-        }
-        (pages * self.page) as f64 <= self.active_high_water() as f64 / self.cfg.wait_util
-    }
-
-    /// The peak of active bytes since the allocator started.
-    pub(super) fn active_high_water(&self) -> u64 {
-        let peak = self.stats.active_bytes.aggregate().peak.max(0) as u64;
-        peak.max(self.active_peak_before_reset)
     }
 
     /// `cross_stream_wait`: makes `stream` wait on the device for an event recorded now on
