@@ -41,6 +41,10 @@ def add_args(p):
     g.add_argument("--seq-max", type=int, default=1024)
     g.add_argument("--lora-r", type=int, default=16)
     g.add_argument("--lr", type=float, default=1e-5)
+    g.add_argument("--host-delay-us", type=int, default=0,
+                   help="spin the host this many microseconds before every decoder layer's "
+                        "forward (and its recomputation): host time added at known points, to "
+                        "see how much of it the step absorbs (against an allocator's own time)")
     g.add_argument("--init-on", choices=("gpu", "cpu"), default="gpu",
                    help="where the random weights are drawn (gpu: seconds; cpu: a minute for 1.3B, "
                         "torchrun gives each rank one CPU thread); the model goes to DeepSpeed on the host")
@@ -183,6 +187,19 @@ class Zero3:
                 task_type="CAUSAL_LM"))
             if recompute:
                 model.enable_input_require_grads()
+        self.delay_calls = 0
+        if args.host_delay_us > 0:
+            delay = args.host_delay_us / 1e6
+
+            def spin(_module, _inputs):
+                self.delay_calls += 1
+                end = time.perf_counter() + delay
+                while time.perf_counter() < end:
+                    pass
+
+            for m in model.modules():
+                if type(m).__name__ == "OPTDecoderLayer":
+                    m.register_forward_pre_hook(spin)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=args.lr)
         t1 = time.perf_counter()
@@ -198,7 +215,8 @@ class Zero3:
                       "init_on": self.init_on, "build_s": round(t1 - t0, 1), "deepspeed_init_s": round(t2 - t1, 1)}
 
     def info(self):
-        return dict(self._info, losses=self.losses)
+        return dict(self._info, losses=self.losses, host_delay_us=self.args.host_delay_us,
+                    host_delay_calls=self.delay_calls)
 
     def sample(self, rng, batch, final_max=False):
         seq = self.args.seq_max if final_max else rng.randint(self.args.seq_min, self.args.seq_max)
