@@ -17,8 +17,10 @@ noisy than the step: runs of one allocator differ by 10-30% on these jobs.
 
 Runs made with `EXTRA_ARGS="--profile-step N"` get a second table, one row per run and rank
 (rank 0 from the results file, rank k from its `.rankK` sibling): the profiled step's wall
-time, its busiest CUDA streams (busy time / span), and the largest host calls and device
-operations by time, to compare where each allocator's step goes."""
+time, its busiest CUDA streams (busy time / span), the largest host calls and device
+operations by time, and for gmlake with `host_timing:1` its allocations and frees of 50 µs or
+more (count, total, largest; they are also on their own track of the step's trace), to compare
+where each allocator's step goes."""
 
 import glob
 import os
@@ -74,9 +76,12 @@ def profile_rows(path: str):
             streams = sorted((p.get("streams") or {}).items(), key=lambda kv: -kv[1]["busy_ms"])
             busy = "; ".join(f"{sid}: {v['busy_ms']:.0f}/{v['span_ms']:.0f} ms ({v['ops']})"
                              for sid, v in streams[:3]) or "-"
+            slow = p.get("gmlake_slow_calls")
+            slow = (f"{slow['count']}, {slow['ms']:.1f} ms (largest {slow['largest_ms']:.1f})"
+                    if slow else "-")
             rows.append([r.get("tag", "").replace("zero3-", ""), r["allocator"], str(rank),
                          str(p.get("step", "?")), f"{p.get('wall_ms', 0):.0f} ms", busy,
-                         _top(p.get("host_calls")), _top(p.get("device_ops"))])
+                         _top(p.get("host_calls")), _top(p.get("device_ops")), slow])
     return rows
 
 
@@ -130,7 +135,7 @@ def main(path: str) -> int:
         print()
         print("\n".join(report.table(
             ["strategy", "allocator", "rank", "profiled step", "wall", "streams busy / span (ops)",
-             "host calls", "device operations"], prof)))
+             "host calls", "device operations", "gmlake calls of 50 us or more"], prof)))
     return 0
 
 

@@ -325,7 +325,8 @@ def test_zero3_table_lists_profiled_steps_per_rank(tmp_path):
                             "streams": {"7": {"ops": 900, "busy_ms": busy, "span_ms": 800.0},
                                         "13": {"ops": 40, "busy_ms": 300.0, "span_ms": 790.0}},
                             "host_calls": [["cuMemMap", 12.5, 300], ["cudaLaunchKernel", 9.0, 900]],
-                            "device_ops": [["ncclAllGather", 250.0, 40]]}}
+                            "device_ops": [["ncclAllGather", 250.0, 40]],
+                            "gmlake_slow_calls": {"count": 31, "ms": 95.25, "largest_ms": 12.5}}}
     (tmp_path / "r.jsonl.rank1").write_text(json.dumps(run("gmlake", 100.0)))
     lines = _zero3_table(tmp_path, [run("gmlake", 500.0)])
     rows = [x for x in lines if x.startswith("| R | gmlake | ") and "812 ms" in x]
@@ -333,6 +334,7 @@ def test_zero3_table_lists_profiled_steps_per_rank(tmp_path):
     assert "| 0 | 2 | 812 ms | 7: 500/800 ms (900); 13: 300/790 ms (40) |" in rows[0], rows[0]
     assert "| 1 | 2 | 812 ms | 13: 300/790 ms (40); 7: 100/800 ms (900) |" in rows[1], rows[1]
     assert "cuMemMap 12.5 ms x300" in rows[0] and "ncclAllGather 250.0 ms x40" in rows[0], rows[0]
+    assert rows[0].endswith("| 31, 95.2 ms (largest 12.5) |"), rows[0]
     other = tmp_path / "plain"
     other.mkdir()
     plain = _zero3_table(other, [dict(run("gmlake", 1.0), profile=None)])
@@ -517,6 +519,30 @@ def test_trace_path_names_each_run(tmp_path):
     again = common.trace_path(out, "gmlake+host_timing:1,cross_stream_wait:0", 2)
     assert again != first and again.endswith("-2.step2.trace.json.gz"), again
     assert common.trace_path(out, "", 0) == out + ".step0.trace.json.gz"
+
+
+def test_slow_calls_go_on_the_timeline():
+    """gmlake's slow calls (snapshot()["slow_calls"], Unix ns) are filtered to the profiled
+    step and placed on the chrome trace, whose ts is microseconds after baseTimeNanoseconds."""
+    sys.path.insert(0, str(BENCH / "workloads"))
+    import common
+    base = 1_790_000_000_000_000_000
+    snap = {"slow_calls": [
+        {"start_unix_ns": base + 5_000_000, "ns": 120_000, "op": "alloc", "size": 3 << 20},
+        {"start_unix_ns": base + 9_000_000, "ns": 60_000, "op": "free", "size": 0},
+        {"start_unix_ns": base + 90_000_000, "ns": 70_000, "op": "alloc", "size": 1 << 20},
+    ]}
+    calls = common.slow_calls_between(snap, base + 1_000_000, base + 10_000_000)
+    assert [c["op"] for c in calls] == ["alloc", "free"]
+    trace = {"baseTimeNanoseconds": base, "traceEvents": [{"ph": "X", "ts": 1.0, "dur": 2.0}]}
+    assert common.add_slow_calls(trace, calls, pid=42) == 2
+    added = [e for e in trace["traceEvents"] if e.get("cat") == "gmlake"]
+    assert [(e["name"], e["ts"], e["dur"]) for e in added] == [
+        ("gmlake alloc 3 MiB", 5000.0, 120.0), ("gmlake free", 9000.0, 60.0)]
+    assert all(e["pid"] == 42 and e["tid"] == common.SLOW_CALLS_TID for e in added)
+    assert common.add_slow_calls({"traceEvents": []}, calls, pid=42) == 0, "no base time"
+    assert common.slow_calls_summary(calls) == {"count": 2, "ms": 0.18, "largest_ms": 0.12}
+    assert common.slow_calls_summary([]) == {"count": 0, "ms": 0, "largest_ms": 0}
 
 
 def test_profile_step_on_cpu(tmp_path):

@@ -85,7 +85,9 @@ def base_parser(name: str, description: str, defaults: Dict[str, Any]) -> argpar
                         "CUDA activities): its chrome trace goes to OUT[.LABEL].stepN.trace.json.gz beside "
                         "--out, and the record's `profile` sums it up (per CUDA stream the time "
                         "busy with kernels, copies and memsets; the host's time in CUDA runtime "
-                        "and driver calls by name); the step is left out of the timings")
+                        "and driver calls by name; with gmlake and host_timing:1, its allocations "
+                        "and frees of 50 us or more on a track of their own); the step is left "
+                        "out of the timings")
     g.add_argument("--tag", default="", help="free text stored in the records")
     g.add_argument("--label", default="",
                    help="name recorded as the allocator (e.g. native2 for a second native run)")
@@ -386,6 +388,41 @@ def trace_path(out: str, label: str, n: int) -> str:
     return path
 
 
+SLOW_CALLS_TID = 0x676D  # the track of gmlake's slow calls in a profiled step's trace
+
+
+def slow_calls_between(snapshot: Dict[str, Any], begin_ns: int, end_ns: int) -> List[dict]:
+    """gmlake's slow calls (``host_timing``: allocations and frees of 50 µs or more, kept in
+    ``gmlake.snapshot()["slow_calls"]``) that began within [begin_ns, end_ns] (Unix ns)."""
+    return [c for c in snapshot.get("slow_calls", [])
+            if begin_ns <= c.get("start_unix_ns", -1) <= end_ns]
+
+
+def add_slow_calls(trace: Dict[str, Any], calls: List[dict], pid: int) -> int:
+    """Puts gmlake's slow calls on a chrome trace's timeline, as one track of process `pid`
+    (the profiler's ``ts`` is microseconds after ``baseTimeNanoseconds``, a Unix time). Returns
+    how many were added: none when the trace has no base time."""
+    base = trace.get("baseTimeNanoseconds")
+    if base is None or not calls:
+        return 0
+    ev = trace.setdefault("traceEvents", [])
+    ev.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": SLOW_CALLS_TID,
+               "args": {"name": "gmlake: allocations and frees of 50 us or more"}})
+    for c in calls:
+        size = c.get("size", 0)
+        name = f"gmlake {c.get('op', '?')}" + (f" {size / 2**20:.0f} MiB" if size else "")
+        ev.append({"ph": "X", "cat": "gmlake", "name": name, "pid": pid, "tid": SLOW_CALLS_TID,
+                   "ts": (c["start_unix_ns"] - base) / 1e3, "dur": c["ns"] / 1e3,
+                   "args": {"bytes": size}})
+    return len(calls)
+
+
+def slow_calls_summary(calls: List[dict]) -> Dict[str, Any]:
+    """Count, total and largest of gmlake's slow calls, in ms."""
+    ms = [c["ns"] / 1e6 for c in calls]
+    return {"count": len(ms), "ms": round(sum(ms), 3), "largest_ms": round(max(ms, default=0), 3)}
+
+
 def profiled_step(args, wl, batch: int, shape: dict, device: str, n: int,
                   write_trace: bool = True) -> Dict[str, Any]:
     """Runs step `n` under torch.profiler and sums it up (`profile_summary`); with
@@ -399,11 +436,13 @@ def profiled_step(args, wl, batch: int, shape: dict, device: str, n: int,
     acts = [ProfilerActivity.CPU]
     if device.startswith("cuda"):
         acts.append(ProfilerActivity.CUDA)
+    begin_ns = time.time_ns()
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
         wl.step(batch, shape)
         sync(device)
         wall = time.perf_counter() - t0
+    end_ns = time.time_ns()
     with tempfile.TemporaryDirectory() as tmp:
         raw = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(raw)
@@ -411,6 +450,14 @@ def profiled_step(args, wl, batch: int, shape: dict, device: str, n: int,
             trace = json.load(f)
     rec = {"step": n, "wall_ms": round(wall * 1e3, 3), "torch": torch.__version__}
     rec.update(profile_summary(trace))
+    if getattr(args, "allocator", "") == "gmlake":
+        # gmlake's driver calls are not in the profiler's trace (the driver is loaded at run
+        # time): with host_timing, its slow calls go on a track of their own.
+        import gmlake
+
+        calls = slow_calls_between(gmlake.snapshot(device), begin_ns, end_ns)
+        add_slow_calls(trace, calls, os.getpid())
+        rec["gmlake_slow_calls"] = slow_calls_summary(calls)
     if write_trace and args.out:
         path = trace_path(args.out, getattr(args, "label", ""), n)
         with gzip.open(path, "wt") as f:

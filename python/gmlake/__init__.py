@@ -446,7 +446,10 @@ def serve_metrics(port: int = 9400, addr: str = "127.0.0.1", **kwargs: Any):
 
 def snapshot(device=None) -> Dict[str, Any]:
     """gmlake's view of a device's memory: segments (runs of mapped pages) with their blocks,
-    ``stitched`` flags, page counts, the page size and the configuration. (PyTorch's own
+    ``stitched`` flags, page counts, the page size and the configuration; with
+    ``host_timing:1``, ``slow_calls``: the last 65,536 allocations and frees that took 50 µs
+    or more (``start_unix_ns``, ``ns``, ``op``, ``size``), to place on a profiler's timeline
+    (bench/workloads/common.py does for ``--profile-step``). (PyTorch's own
     ``torch.cuda.memory._snapshot()`` works too and includes history.)"""
     if not is_enabled():
         raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")

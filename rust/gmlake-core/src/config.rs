@@ -97,8 +97,10 @@ pub struct Config {
     /// totals in
     /// `memory_stats()` as `gmlake.host_ns_alloc`, `gmlake.host_ns_free` and the calls timed,
     /// `gmlake.host_calls_alloc` and `gmlake.host_calls_free`: the allocator's own share of a
-    /// step, read in the job itself. Off by default: two clock readings a call (about 40 ns).
-    /// The core does not read it.
+    /// step, read in the job itself; and keeps the last 65,536 calls that took 50 µs or more
+    /// with their start (`gmlake.snapshot()["slow_calls"]`), to place them on a profiler's
+    /// timeline. Off by default: two clock readings a call (about 40 ns). The core does not
+    /// read it.
     pub host_timing: bool,
 }
 

@@ -118,7 +118,19 @@ pub fn stats(s: &DeviceStats, extra: &[(&str, u64)]) -> String {
 }
 
 /// The core's snapshot with gmlake's own fields (stitched flags, pages, page size, config).
-pub fn snapshot(s: &Snapshot) -> String {
+/// An allocation or free that took at least 50 µs (`host_timing`): when it began (Unix
+/// time), how long it took, and the request's size (0 for a free).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlowCall {
+    pub start_unix_ns: u64,
+    pub ns: u64,
+    pub alloc: bool,
+    pub size: u64,
+}
+
+/// gmlake's view of a device's memory; with `host_timing`, also its slow calls
+/// (`slow_calls`: `start_unix_ns`, `ns`, `op` ("alloc" or "free"), `size`).
+pub fn snapshot(s: &Snapshot, slow: &[SlowCall]) -> String {
     let mut out = String::with_capacity(256 + 256 * s.segments.len());
     let mut o = Obj::new(&mut out);
     o.num("page_size", s.page_size);
@@ -162,6 +174,14 @@ pub fn snapshot(s: &Snapshot) -> String {
             bo.end();
         });
         so.end();
+    });
+    array(o.key("slow_calls"), slow, |out, c| {
+        let mut co = Obj::new(out);
+        co.num("start_unix_ns", c.start_unix_ns);
+        co.num("ns", c.ns);
+        co.str("op", if c.alloc { "alloc" } else { "free" });
+        co.num("size", c.size);
+        co.end();
     });
     o.end();
     out

@@ -481,22 +481,47 @@ pub struct Gmlake {
 }
 
 /// Nanoseconds spent in the core's allocate and free calls, and how many were timed
-/// (`host_timing`). Relaxed atomics: totals read now and then, never ordered against anything.
-#[derive(Default)]
+/// (`host_timing`), and the slowest calls with when they began. Relaxed atomics: totals read
+/// now and then, never ordered against anything.
 struct HostTiming {
     alloc_ns: AtomicU64,
     alloc_calls: AtomicU64,
     free_ns: AtomicU64,
     free_calls: AtomicU64,
+    /// A monotonic instant and the Unix time read together at creation: a slow call's start
+    /// in Unix time (to place it on a profiler's timeline) without a second clock read a call.
+    origin: (std::time::Instant, u64),
+    /// The last `SLOW_CALLS_KEPT` calls that took at least `SLOW_CALL_NS`, oldest first.
+    slow: parking_lot::Mutex<std::collections::VecDeque<json::SlowCall>>,
 }
+
+/// A call this long or longer is kept in `HostTiming::slow`: a stitch or new memory (driver
+/// calls), not a hit of the cache (about a microsecond).
+const SLOW_CALL_NS: u64 = 50_000;
+/// How many slow calls are kept (about a minute of a job that stitches every step).
+const SLOW_CALLS_KEPT: usize = 1 << 16;
 
 impl HostTiming {
     fn for_config(c: &Config) -> Option<HostTiming> {
-        c.host_timing.then(HostTiming::default)
+        c.host_timing.then(|| {
+            let unix_ns = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            HostTiming {
+                alloc_ns: AtomicU64::new(0),
+                alloc_calls: AtomicU64::new(0),
+                free_ns: AtomicU64::new(0),
+                free_calls: AtomicU64::new(0),
+                origin: (std::time::Instant::now(), unix_ns),
+                slow: parking_lot::Mutex::new(std::collections::VecDeque::new()),
+            }
+        })
     }
 
-    /// Runs `f`, adding its time to `(ns, calls)` of `timing` when there is one.
-    fn time<T>(timing: Option<&HostTiming>, alloc: bool, f: impl FnOnce() -> T) -> T {
+    /// Runs `f`, adding its time to `(ns, calls)` of `timing` when there is one, and keeping
+    /// it among the slow calls if it took `SLOW_CALL_NS` or more (`size`: the request's bytes,
+    /// 0 for a free).
+    fn time<T>(timing: Option<&HostTiming>, alloc: bool, size: u64, f: impl FnOnce() -> T) -> T {
         let Some(t) = timing else {
             return f();
         };
@@ -510,7 +535,25 @@ impl HostTiming {
         };
         total.fetch_add(ns, Ordering::Relaxed);
         calls.fetch_add(1, Ordering::Relaxed);
+        if ns >= SLOW_CALL_NS {
+            let since = t0.saturating_duration_since(t.origin.0).as_nanos() as u64;
+            let mut slow = t.slow.lock();
+            if slow.len() == SLOW_CALLS_KEPT {
+                slow.pop_front();
+            }
+            slow.push_back(json::SlowCall {
+                start_unix_ns: t.origin.1 + since,
+                ns,
+                alloc,
+                size,
+            });
+        }
         out
+    }
+
+    /// The slow calls kept, oldest first.
+    fn slow_calls(&self) -> Vec<json::SlowCall> {
+        self.slow.lock().iter().copied().collect()
     }
 
     /// The `gmlake.host_*` entries of `memory_stats()`.
@@ -862,7 +905,7 @@ impl Gmlake {
         f: impl FnOnce(&Alloc) -> gmlake_core::Result<u64>,
     ) -> AllocOutcome {
         let a = &*self.alloc;
-        let done = HostTiming::time(self.timing.as_ref(), true, || {
+        let done = HostTiming::time(self.timing.as_ref(), true, size, || {
             guard("allocate", || Ok(f(a)))
         });
         match done {
@@ -965,7 +1008,7 @@ impl Gmlake {
     }
 
     fn free_ptr(&self, ptr: u64) -> FreeOutcome {
-        HostTiming::time(self.timing.as_ref(), false, || {
+        HostTiming::time(self.timing.as_ref(), false, 0, || {
             self.free_with("free", |a| a.free(ptr))
         })
     }
@@ -1042,7 +1085,14 @@ impl Gmlake {
     }
 
     fn snapshot_json(&self) -> Result<String, String> {
-        self.with("snapshot_json", |a| Ok(json::snapshot(&a.snapshot())))
+        let slow = self
+            .timing
+            .as_ref()
+            .map(HostTiming::slow_calls)
+            .unwrap_or_default();
+        self.with("snapshot_json", |a| {
+            Ok(json::snapshot(&a.snapshot(), &slow))
+        })
     }
 
     fn cache_info(&self) -> Result<CacheInfoRecord, String> {

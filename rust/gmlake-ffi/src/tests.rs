@@ -432,3 +432,58 @@ fn host_timing_counts_the_calls_it_times_and_is_absent_when_off() {
     assert!(counter(&j, "host_ns_alloc").unwrap() > 0, "{j}");
     assert!(counter(&j, "host_ns_free").is_some(), "{j}");
 }
+
+/// `host_timing` keeps the calls that took 50 µs or more, with their start in Unix time, in
+/// the snapshot (`slow_calls`), to place them on a profiler's timeline. A 16 GiB allocation
+/// creates and maps 8,192 pages: slow even on the simulated device. Without `host_timing` the
+/// list is empty.
+#[test]
+fn host_timing_keeps_slow_calls_with_their_start() {
+    let unix_ns = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64
+    };
+    let off = sim(64 * GIB, "");
+    off.allocate(16 * GIB, 0);
+    assert!(off.snapshot_json().unwrap().contains("\"slow_calls\":[]"));
+
+    let a = sim(64 * GIB, "host_timing:1");
+    let before = unix_ns();
+    let big = a.allocate(16 * GIB, 0);
+    assert_eq!(big.status, AllocStatus::Allocated);
+    let after = unix_ns();
+    assert_eq!(a.free_ptr(big.ptr).status, FreeStatus::Done);
+    let j = a.snapshot_json().unwrap();
+    let at = j.find("\"slow_calls\":[").expect("slow_calls") + "\"slow_calls\":[".len();
+    let list = &j[at..j[at..].find(']').unwrap() + at];
+    let entries: Vec<&str> = list.split("},{").collect();
+    let big_calls: Vec<&str> = entries
+        .iter()
+        .copied()
+        .filter(|e| e.contains(&format!("\"size\":{}", 16 * GIB)))
+        .collect();
+    assert_eq!(big_calls.len(), 1, "one 16 GiB allocation: {list}");
+    let e = big_calls[0];
+    assert!(e.contains("\"op\":\"alloc\""), "{e}");
+    let num = |k: &str| -> u64 {
+        let key = format!("\"{k}\":");
+        let at = e.find(&key).unwrap() + key.len();
+        e[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let (start, ns) = (num("start_unix_ns"), num("ns"));
+    assert!(ns >= 50_000, "{e}");
+    // The start comes from a clock read at creation plus a monotonic interval: within a
+    // millisecond of the wall clock around the call.
+    assert!(
+        start + 1_000_000 >= before && start <= after + 1_000_000,
+        "{start} not within [{before}, {after}]"
+    );
+    assert!(start + ns <= after + 1_000_000, "{e}");
+}
