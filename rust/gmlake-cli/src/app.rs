@@ -27,6 +27,24 @@ struct Charted {
 }
 
 /// Runs `gmlake replay`; returns the process exit status.
+/// The replay's allocator: side streams busy or not (`--busy-side-streams`), with a page-size
+/// upgrade (`--upgrade-pages`) or not.
+fn make_backend(
+    args: &ReplayArgs,
+    capacity: u64,
+    config: gmlake_core::Config,
+) -> Result<SimBackend, gmlake_core::Error> {
+    let backend = if args.busy_side_streams {
+        SimBackend::busy_side_streams(capacity, config.clone())
+    } else {
+        SimBackend::new(capacity, config.clone())
+    }?;
+    match args.upgrade_pages {
+        Some((at, page)) => backend.with_upgrade(at, page, capacity, config),
+        None => Ok(backend),
+    }
+}
+
 pub fn run_replay(args: &ReplayArgs) -> i32 {
     let config = match args.config() {
         Ok(c) => c,
@@ -38,7 +56,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
     let capacity = args.capacity_bytes();
     // Check once, before reading anything, that the allocator accepts the configuration.
     if !args.trace_only {
-        if let Err(e) = SimBackend::new(capacity, config.clone()) {
+        if let Err(e) = make_backend(args, capacity, config.clone()) {
             eprintln!("gmlake: cannot create the allocator: {e}");
             return EXIT_USAGE;
         }
@@ -87,11 +105,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
             let result = if args.trace_only {
                 replay_one(dev, &mut TraceOnly::default(), &options, &progress).map(|m| (m, None))
             } else {
-                let backend = if args.busy_side_streams {
-                    SimBackend::busy_side_streams(capacity, config.clone())
-                } else {
-                    SimBackend::new(capacity, config.clone())
-                };
+                let backend = make_backend(args, capacity, config.clone());
                 match backend {
                     Ok(mut backend) => {
                         replay_one(dev, &mut backend, &options, &progress).map(|m| {
@@ -184,12 +198,7 @@ fn page_size_trials(
     progress: &mut Progress,
 ) -> Result<(u64, Vec<PageSizeTrial>), String> {
     let make = |cfg: gmlake_core::Config| {
-        if args.busy_side_streams {
-            SimBackend::busy_side_streams(capacity, cfg)
-        } else {
-            SimBackend::new(capacity, cfg)
-        }
-        .map_err(|e| format!("cannot create the allocator: {e}"))
+        make_backend(args, capacity, cfg).map_err(|e| format!("cannot create the allocator: {e}"))
     };
     let page = make(config.clone())?.page_size();
     let options = ReplayOptions {

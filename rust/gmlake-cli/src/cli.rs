@@ -197,6 +197,14 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub busy_side_streams: bool,
 
+    /// A model of a page-size upgrade, which the allocator does not have yet: once it holds AT
+    /// bytes, every later allocation goes to a second allocator with pages of PAGE bytes (e.g.
+    /// `1GiB:8MiB`), and the first one gives its pages back to the device as its blocks are
+    /// freed. Small jobs keep the configured page; large ones get few driver calls a step.
+    /// The figures are the two allocators' sums.
+    #[arg(long, value_name = "AT:PAGE", value_parser = parse_upgrade)]
+    pub upgrade_pages: Option<(u64, u64)>,
+
     /// Also report the driver calls by kind in N windows of equal event counts, with the
     /// stitcher's decisions that made them (new stitches and the pages they moved, reuses of
     /// kept ranges, aliases replaced or evicted) (JSON: `driver_calls_windows`; table: one
@@ -213,6 +221,18 @@ pub struct ReplayArgs {
           default_missing_value = "0.01",
           value_parser = parse_tolerance)]
     pub suggest_page_size: Option<f64>,
+}
+
+fn parse_upgrade(s: &str) -> Result<(u64, u64), String> {
+    let (at, page) = s
+        .split_once(':')
+        .ok_or_else(|| format!("expected AT:PAGE (e.g. 1GiB:8MiB), got {s:?}"))?;
+    let at = gmlake_core::parse_size(at).map_err(|e| format!("AT in {s:?}: {e}"))?;
+    let page = gmlake_core::parse_size(page).map_err(|e| format!("PAGE in {s:?}: {e}"))?;
+    if page == 0 || !page.is_power_of_two() {
+        return Err(format!("PAGE in {s:?}: expected a power of two"));
+    }
+    Ok((at, page))
 }
 
 fn parse_tolerance(s: &str) -> Result<f64, String> {

@@ -890,3 +890,48 @@ fn ops_lists_every_allocation_once() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(text(&bad.stderr).contains("--device 7 is not one"));
 }
+
+/// `--upgrade-pages AT:PAGE` models a page-size upgrade: a job that never holds AT bytes
+/// (decode, 0.34 GB) replays as without it; one that does (stress, 33 GB) moves to the larger
+/// pages and makes far fewer driver calls at nearly the same utilization; the JSON names the
+/// setting. A page that is no power of two is refused, naming the option.
+#[test]
+fn upgrade_pages_models_a_page_size_upgrade() {
+    let calls = |r: &Value| r["driver_calls"]["total"].as_u64().unwrap();
+    let util = |r: &Value| r["utilization"].as_f64().unwrap();
+    let small = replay_row("decode.pickle", &[]);
+    let small_up = replay_row("decode.pickle", &["--upgrade-pages", "1GiB:8MiB"]);
+    assert_eq!(
+        small["peak_reserved_bytes"],
+        small_up["peak_reserved_bytes"]
+    );
+    assert_eq!(calls(&small), calls(&small_up));
+    let large = replay_row("stress.pickle", &[]);
+    let large_up = replay_row("stress.pickle", &["--upgrade-pages", "1GiB:8MiB"]);
+    assert!(
+        calls(&large_up) * 2 < calls(&large),
+        "{} driver calls with the upgrade, {} without",
+        calls(&large_up),
+        calls(&large)
+    );
+    assert!(
+        util(&large_up) > util(&large) - 0.03 && util(&large_up) <= 1.0,
+        "{} against {}",
+        util(&large_up),
+        util(&large)
+    );
+    assert_eq!(large_up["config"]["upgrade_pages"], "1073741824:8388608");
+    let t = trace("decode.pickle");
+    let bad = gmlake(&[
+        "replay".as_ref(),
+        "--upgrade-pages".as_ref(),
+        "1GiB:3MiB".as_ref(),
+        t.as_os_str(),
+    ]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        text(&bad.stderr).contains("--upgrade-pages"),
+        "{}",
+        text(&bad.stderr)
+    );
+}
