@@ -89,23 +89,6 @@ struct Upgrade {
 /// Where the second allocator's simulated device starts its virtual addresses.
 const UPGRADE_VA_OFFSET: u64 = 1 << 44;
 
-fn add_calls(a: DriverCalls, b: DriverCalls) -> DriverCalls {
-    DriverCalls {
-        create_physical: a.create_physical + b.create_physical,
-        release_physical: a.release_physical + b.release_physical,
-        reserve_va: a.reserve_va + b.reserve_va,
-        free_va: a.free_va + b.free_va,
-        map: a.map + b.map,
-        unmap: a.unmap + b.unmap,
-        set_access: a.set_access + b.set_access,
-        create_event: a.create_event + b.create_event,
-        record_event: a.record_event + b.record_event,
-        query_event: a.query_event + b.query_event,
-        stream_wait: a.stream_wait + b.stream_wait,
-        synchronize: a.synchronize + b.synchronize,
-    }
-}
-
 /// Our allocator's figures after a replay.
 #[derive(Clone, Debug, PartialEq)]
 pub struct OursSummary {
@@ -192,7 +175,7 @@ impl SimBackend {
             let s = u.allocator.stats();
             o.stitches += s.stitches;
             o.pages_stitched += s.pages_stitched;
-            o.driver_calls = add_calls(o.driver_calls, s.driver_calls);
+            o.driver_calls = gmlake_core::cost::sum(&o.driver_calls, &s.driver_calls);
             o.peak_reserved_bytes = sampled_peak.max(stats_peak);
             o.config.push((
                 "upgrade_pages",
@@ -242,7 +225,7 @@ impl Backend for SimBackend {
     fn driver_calls(&self) -> Option<DriverCalls> {
         let c = self.allocator.stats().driver_calls;
         Some(match &self.upgrade {
-            Some(u) => add_calls(c, u.allocator.stats().driver_calls),
+            Some(u) => gmlake_core::cost::sum(&c, &u.allocator.stats().driver_calls),
             None => c,
         })
     }

@@ -69,26 +69,54 @@ pub fn estimate_ms(calls: &DriverCalls) -> (f64, f64) {
 
 /// `later - earlier`, call kind by call kind.
 pub fn difference(later: &DriverCalls, earlier: &DriverCalls) -> DriverCalls {
-    let d = |a: u64, b: u64| a.saturating_sub(b);
+    kind_by_kind(later, earlier, u64::saturating_sub)
+}
+
+/// `a + b`, call kind by call kind (two allocators' calls together).
+pub fn sum(a: &DriverCalls, b: &DriverCalls) -> DriverCalls {
+    kind_by_kind(a, b, u64::saturating_add)
+}
+
+fn kind_by_kind(a: &DriverCalls, b: &DriverCalls, f: impl Fn(u64, u64) -> u64) -> DriverCalls {
     DriverCalls {
-        create_physical: d(later.create_physical, earlier.create_physical),
-        release_physical: d(later.release_physical, earlier.release_physical),
-        reserve_va: d(later.reserve_va, earlier.reserve_va),
-        free_va: d(later.free_va, earlier.free_va),
-        map: d(later.map, earlier.map),
-        unmap: d(later.unmap, earlier.unmap),
-        set_access: d(later.set_access, earlier.set_access),
-        create_event: d(later.create_event, earlier.create_event),
-        record_event: d(later.record_event, earlier.record_event),
-        query_event: d(later.query_event, earlier.query_event),
-        stream_wait: d(later.stream_wait, earlier.stream_wait),
-        synchronize: d(later.synchronize, earlier.synchronize),
+        create_physical: f(a.create_physical, b.create_physical),
+        release_physical: f(a.release_physical, b.release_physical),
+        reserve_va: f(a.reserve_va, b.reserve_va),
+        free_va: f(a.free_va, b.free_va),
+        map: f(a.map, b.map),
+        unmap: f(a.unmap, b.unmap),
+        set_access: f(a.set_access, b.set_access),
+        create_event: f(a.create_event, b.create_event),
+        record_event: f(a.record_event, b.record_event),
+        query_event: f(a.query_event, b.query_event),
+        stream_wait: f(a.stream_wait, b.stream_wait),
+        synchronize: f(a.synchronize, b.synchronize),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sum_and_difference_go_kind_by_kind() {
+        let a = DriverCalls {
+            map: 5,
+            unmap: 2,
+            synchronize: 1,
+            ..DriverCalls::default()
+        };
+        let b = DriverCalls {
+            map: 3,
+            set_access: 4,
+            ..DriverCalls::default()
+        };
+        let s = sum(&a, &b);
+        assert_eq!((s.map, s.unmap, s.set_access, s.synchronize), (8, 2, 4, 1));
+        assert_eq!(s.total(), a.total() + b.total());
+        assert_eq!(difference(&s, &b), a);
+        assert_eq!(difference(&a, &s), DriverCalls::default(), "saturates at 0");
+    }
 
     #[test]
     fn estimate_is_the_sum_of_the_per_call_costs() {
