@@ -543,6 +543,10 @@ def test_slow_calls_go_on_the_timeline():
     assert common.add_slow_calls({"traceEvents": []}, calls, pid=42) == 0, "no base time"
     assert common.slow_calls_summary(calls) == {"count": 2, "ms": 0.18, "largest_ms": 0.12}
     assert common.slow_calls_summary([]) == {"count": 0, "ms": 0, "largest_ms": 0}
+    # Only a snapshot taken with host_timing:1 has recorded them.
+    assert common.records_slow_calls({"config": {"host_timing": "1"}})
+    assert not common.records_slow_calls({"config": {"host_timing": "0"}})
+    assert not common.records_slow_calls({})
 
 
 def test_profile_step_on_cpu(tmp_path):

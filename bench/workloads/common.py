@@ -391,6 +391,12 @@ def trace_path(out: str, label: str, n: int) -> str:
 SLOW_CALLS_TID = 0x676D  # the track of gmlake's slow calls in a profiled step's trace
 
 
+def records_slow_calls(snapshot: Dict[str, Any]) -> bool:
+    """Whether gmlake keeps its slow calls (``host_timing:1`` in the snapshot's configuration):
+    without it an empty list means nothing was recorded, not that nothing was slow."""
+    return str((snapshot.get("config") or {}).get("host_timing", "0")) == "1"
+
+
 def slow_calls_between(snapshot: Dict[str, Any], begin_ns: int, end_ns: int) -> List[dict]:
     """gmlake's slow calls (``host_timing``: allocations and frees of 50 µs or more, kept in
     ``gmlake.snapshot()["slow_calls"]``) that began within [begin_ns, end_ns] (Unix ns)."""
@@ -455,9 +461,11 @@ def profiled_step(args, wl, batch: int, shape: dict, device: str, n: int,
         # time): with host_timing, its slow calls go on a track of their own.
         import gmlake
 
-        calls = slow_calls_between(gmlake.snapshot(device), begin_ns, end_ns)
-        add_slow_calls(trace, calls, os.getpid())
-        rec["gmlake_slow_calls"] = slow_calls_summary(calls)
+        snap = gmlake.snapshot(device)
+        if records_slow_calls(snap):
+            calls = slow_calls_between(snap, begin_ns, end_ns)
+            add_slow_calls(trace, calls, os.getpid())
+            rec["gmlake_slow_calls"] = slow_calls_summary(calls)
     if write_trace and args.out:
         path = trace_path(args.out, getattr(args, "label", ""), n)
         with gzip.open(path, "wt") as f:

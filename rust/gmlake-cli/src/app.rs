@@ -26,7 +26,6 @@ struct Charted {
     ours: bool,
 }
 
-/// Runs `gmlake replay`; returns the process exit status.
 /// The replay's allocator: side streams busy or not (`--busy-side-streams`), with a page-size
 /// upgrade (`--upgrade-pages`) or not.
 fn make_backend(
@@ -45,6 +44,7 @@ fn make_backend(
     }
 }
 
+/// Runs `gmlake replay`; returns the process exit status.
 pub fn run_replay(args: &ReplayArgs) -> i32 {
     let config = match args.config() {
         Ok(c) => c,

@@ -171,12 +171,12 @@ impl SimBackend {
             config: self.allocator.config().to_pairs(),
         };
         if let Some(u) = &self.upgrade {
-            // Two devices whose peaks need not coincide: the sampled sum is the figure.
+            // The peak stays the sampled sum of both devices (`reserved_bytes`): their own
+            // peaks need not coincide.
             let s = u.allocator.stats();
             o.stitches += s.stitches;
             o.pages_stitched += s.pages_stitched;
             o.driver_calls = gmlake_core::cost::sum(&o.driver_calls, &s.driver_calls);
-            o.peak_reserved_bytes = sampled_peak.max(stats_peak);
             o.config.push((
                 "upgrade_pages",
                 format!("{}:{}", u.at, u.allocator.page_size()),
@@ -230,8 +230,17 @@ impl Backend for SimBackend {
         })
     }
     fn stitch_counts(&self) -> Option<StitchCounts> {
-        let counters = self.allocator.stats().counters();
-        let value = |name| counters.iter().find(|c| c.0 == name).map_or(0, |c| c.1);
+        // Both allocators' counters with `--upgrade-pages`, as for the driver calls.
+        let upgraded = self.upgrade.as_ref().map(|u| &u.allocator);
+        let all: Vec<_> = std::iter::once(&self.allocator)
+            .chain(upgraded)
+            .map(|a| a.stats().counters())
+            .collect();
+        let value = |name| {
+            all.iter()
+                .map(|cs| cs.iter().find(|c| c.0 == name).map_or(0, |c| c.1))
+                .sum()
+        };
         Some(WINDOW_COUNTERS.map(value))
     }
     fn free_after(&mut self, ptr: DevicePtr, waiter: StreamId) -> Result<(), CoreError> {

@@ -921,6 +921,22 @@ fn upgrade_pages_models_a_page_size_upgrade() {
         util(&large)
     );
     assert_eq!(large_up["config"]["upgrade_pages"], "1073741824:8388608");
+    // `--windows` counts both allocators' stitches, as the summary does.
+    let windowed = replay_row(
+        "stress.pickle",
+        &["--upgrade-pages", "1GiB:8MiB", "--windows", "3"],
+    );
+    let in_windows: u64 = windowed["driver_calls_windows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["stitches"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        Some(in_windows),
+        windowed["stitches"].as_u64(),
+        "{windowed}"
+    );
     let t = trace("decode.pickle");
     let bad = gmlake(&[
         "replay".as_ref(),
