@@ -19,7 +19,8 @@
 #   BENCH_WORKLOADS workloads to run (default: "llm_lora moe conv kv_infer fsdp_offload
 #                   concat_cache stress")
 #   BENCH_ALLOCATORS allocators, run in this order per workload (default: "native expandable
-#                   gmlake native2"; native2 is native again, whose ratio to native is the noise)
+#                   gmlake native2"; native2 is native again, whose ratio to native is the noise;
+#                   gmlake+key:value,... is gmlake with that GMLAKE_CONF, labelled so)
 #   BENCH_STEPS     measured steps of every workload (overrides the defaults and quick mode;
 #                   a workload's timeout grows with it past the workload's default steps)
 #   BENCH_NO_SEARCH=1 skip the largest-batch searches (step times and driver calls only)
@@ -206,6 +207,9 @@ run_workload() { # workload allocator
   expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 10 "$t" "$PY" "$script" \
     --allocator expandable "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
   gmlake) timeout -k 10 "$t" "$PY" -m gmlake "$script" --allocator gmlake "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  gmlake+*) GMLAKE_CONF="${a#gmlake+}" timeout -k 10 "$t" "$PY" -m gmlake "$script" --allocator gmlake \
+    --label "$a" "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
+  *) log "unknown allocator $a"; rc=2 ;;
   esac
   if [ "$rc" != 0 ]; then
     log "$w/$a exited with $rc$([ "$rc" = 124 ] && echo ' (timeout)')"

@@ -256,6 +256,11 @@ impl Arena {
         }
     }
 
+    /// The size of the pages this arena maps (one size per arena: its generation's).
+    pub fn page(&self) -> u64 {
+        self.page
+    }
+
     fn floor(&self, a: u64) -> u64 {
         a & !(self.page - 1)
     }
@@ -1332,6 +1337,7 @@ mod tests {
             stream: 0,
             kind: PoolKind::Large,
             graph_pool: GraphPoolId::DEFAULT,
+            gen: 0,
         };
         Arena::new(key, P, track_age)
     }

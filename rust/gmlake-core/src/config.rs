@@ -102,6 +102,17 @@ pub struct Config {
     /// timeline. Off by default: two clock readings a call (about 40 ns). The core does not
     /// read it.
     pub host_timing: bool,
+    /// `page_upgrade_at`: once the allocator holds this many bytes, later allocations get
+    /// pages of `page_upgrade_size` instead of `page_size`, and the memory held in the
+    /// smaller pages goes back to the device as its blocks are freed (it drains into the
+    /// larger pages). A job that stays below it keeps the small page (the utilization small
+    /// jobs need); a large one pays the large page's few driver calls a step after its first
+    /// steps. None (`off`, the default): one page size throughout. The memory debugging mode
+    /// turns it off.
+    pub page_upgrade_at: Option<u64>,
+    /// `page_upgrade_size`: the page size after the upgrade (default 8 MiB); a power of two
+    /// larger than the first page size and a multiple of the device's granularity.
+    pub page_upgrade_size: u64,
 }
 
 /// Intervals of `roundup_power2_divisions`, as PyTorch's (1 MiB to 64 GiB).
@@ -127,6 +138,8 @@ impl Default for Config {
             util_target: None,
             cross_stream_wait: true,
             host_timing: false,
+            page_upgrade_at: None,
+            page_upgrade_size: 8 << 20,
         }
     }
 }
@@ -153,6 +166,8 @@ pub const CONFIG_KEYS: &[&str] = &[
     "util_target",
     "cross_stream_wait",
     "host_timing",
+    "page_upgrade_at",
+    "page_upgrade_size",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -396,6 +411,22 @@ impl Config {
                 }
                 self.page_size = p;
             }
+            "page_upgrade_at" | "pageupgradeat" => {
+                self.page_upgrade_at = match v.to_ascii_lowercase().as_str() {
+                    "off" | "none" | "0" => None,
+                    _ => match size(key)? {
+                        0 => None,
+                        b => Some(b),
+                    },
+                };
+            }
+            "page_upgrade_size" | "pageupgradesize" => {
+                let p = size(key)?;
+                if !p.is_power_of_two() {
+                    return Err(invalid(key, value, "expected a power of two"));
+                }
+                self.page_upgrade_size = p;
+            }
             "max_aliases" | "maxaliases" => {
                 let f: f64 = v
                     .parse()
@@ -528,6 +559,12 @@ impl Config {
             ),
             ("host_timing", (self.host_timing as u8).to_string()),
             (
+                "page_upgrade_at",
+                self.page_upgrade_at
+                    .map_or("off".to_string(), |b| b.to_string()),
+            ),
+            ("page_upgrade_size", self.page_upgrade_size.to_string()),
+            (
                 "memory_fraction",
                 self.memory_fraction
                     .map_or("none".to_string(), |f| f.to_string()),
@@ -614,6 +651,17 @@ mod tests {
             .contains("nonsense"));
         assert!(c.set("memory_fraction", "1.5").is_err());
         assert!(c.set("page_size", "3MiB").is_err());
+        assert_eq!(c.page_upgrade_at, None);
+        c.set("page_upgrade_at", "1GiB").unwrap();
+        assert_eq!(c.page_upgrade_at, Some(1 << 30));
+        c.set("page_upgrade_at", "off").unwrap();
+        assert_eq!(c.page_upgrade_at, None);
+        c.set("page_upgrade_size", "16MiB").unwrap();
+        assert_eq!(c.page_upgrade_size, 16 << 20);
+        let e = c.set("page_upgrade_size", "12MiB").unwrap_err();
+        assert!(e.to_string().contains("page_upgrade_size"), "{e}");
+        let e = c.set("page_upgrade_at", "soon").unwrap_err();
+        assert!(e.to_string().contains("page_upgrade_at"), "{e}");
         for bad in ["0", "1.5", "-0.5", "nan", "high"] {
             let e = c.set("util_target", bad).unwrap_err();
             assert!(

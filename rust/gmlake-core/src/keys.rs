@@ -12,10 +12,13 @@ impl GraphPoolId {
     pub const DEFAULT: GraphPoolId = GraphPoolId(0, 0);
 }
 
-/// What an arena serves: one stream, one pool kind, one graph pool.
+/// What an arena serves: one stream, one pool kind, one graph pool, one page generation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct ArenaKey {
     pub stream: StreamId,
     pub kind: PoolKind,
     pub graph_pool: GraphPoolId,
+    /// The page generation whose pages the arena maps: 0, or 1 after the page-size upgrade
+    /// (`page_upgrade_at`). Arenas of one generation map pages of one size only.
+    pub gen: u8,
 }

@@ -196,6 +196,10 @@ macro_rules! for_device_stats {
                 /// Kept aliases unmapped and refilled with another page, to reuse a range whose
                 /// other pages were free.
                 aliases_replaced: u64 = accumulated,
+                /// Page-size upgrades done (`page_upgrade_at`: 0 or 1), and the pages of the
+                /// old generation given back as their blocks were freed.
+                page_upgrades: u64 = gauge,
+                pages_drained: u64 = accumulated,
                 /// Bytes of kept aliases (virtual ranges still mapped onto pages active
                 /// elsewhere).
                 aliased_bytes: u64 = gauge,

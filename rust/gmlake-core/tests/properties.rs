@@ -46,9 +46,11 @@ fn config() -> impl Strategy<Value = Config> {
         0usize..3,
         0usize..3,
         prop::bool::ANY,
+        0usize..3,
+        prop::bool::ANY,
     )
         .prop_map(
-            |(level, strategy, small_frag, aliases, target, wait)| Config {
+            |(level, strategy, small_frag, aliases, target, wait, upgrade, big)| Config {
                 defrag_level: level,
                 stitch_strategy: [
                     StitchStrategy::BestFit,
@@ -65,6 +67,10 @@ fn config() -> impl Strategy<Value = Config> {
                 util_target: [None, Some(0.9), Some(0.5)][target],
                 // Take another stream's pending pages by waiting for it on the device.
                 cross_stream_wait: wait,
+                // One page size throughout, or an upgrade to 4 or 8 MiB pages once 8 or 24
+                // MiB are held (the old generation drains while the sequence runs).
+                page_upgrade_at: [None, Some(4 * PAGE), Some(12 * PAGE)][upgrade],
+                page_upgrade_size: if big { 4 * PAGE } else { 2 * PAGE },
                 ..Config::default()
             },
         )
@@ -105,7 +111,8 @@ fn check_live(dev: &SimDevice, live: &[(u64, u64)]) -> Result<(), String> {
             let (h, off) = dev
                 .translate(va)
                 .ok_or_else(|| format!("byte {va:#x} of allocation {ptr:#x} is not mapped"))?;
-            let chunk = (PAGE - off).min(end - va);
+            // Mappings start at multiples of PAGE (pages are 1, 2 or 4 of them).
+            let chunk = (PAGE - off % PAGE).min(end - va);
             if phys.insert((h, off), off + chunk).is_some() {
                 return Err(format!("physical {h:?}+{off:#x} backs two allocations"));
             }

@@ -111,7 +111,17 @@ struct LiveBlock {
 
 struct State {
     cfg: Config,
+    /// The size of the pages new memory gets: the first page size, then, after the upgrade,
+    /// `page_upgrade_size`. Arenas keep the size of their generation (`Arena::page`).
     page: u64,
+    /// The current page generation (`ArenaKey::gen`): 0, or 1 after the upgrade.
+    gen: u8,
+    /// (bytes held that trigger it, page size after it) of the page-size upgrade still to
+    /// come; None when off, in debug mode, or done.
+    upgrade: Option<(u64, u64)>,
+    /// A block was freed into an arena of an older generation: its free pages are to go
+    /// back to the device (`drain_old`).
+    drain_due: bool,
     total: u64,
     chunk_size: u64,
     limit: Option<u64>,
@@ -167,6 +177,7 @@ mod pages;
 mod release;
 mod report;
 mod streams;
+mod upgrade;
 
 use streams::{Fence, PendingFree, RetiredBatch};
 
@@ -235,12 +246,32 @@ impl<D: Device> Allocator<D> {
                 reason: format!("not a multiple of the device granularity {gran}"),
             });
         }
+        let upgrade = match config.page_upgrade_at {
+            Some(_) if config.debug.enabled() => None,
+            Some(at) => {
+                let big = config.page_upgrade_size;
+                if big <= page || !big.is_multiple_of(gran) {
+                    return Err(Error::InvalidConfig {
+                        key: "page_upgrade_size".into(),
+                        value: big.to_string(),
+                        reason: format!(
+                            "not a multiple of the device granularity {gran} larger than the page size {page}"
+                        ),
+                    });
+                }
+                Some((at, big))
+            }
+            None => None,
+        };
         let total = device.total_memory()? as u64;
         let chunk_size = total.div_ceil(page).max(64) * page;
         let debug = debug::DebugState::new(&config.debug, page);
         let mut state = State {
             cfg: config,
             page,
+            gen: 0,
+            upgrade,
+            drain_due: false,
             total,
             chunk_size,
             limit: None,
@@ -285,7 +316,8 @@ impl<D: Device> Allocator<D> {
         self.state.lock().cfg.clone()
     }
 
-    /// The physical page size in bytes.
+    /// The size in bytes of the pages new memory gets (after a page-size upgrade, the larger
+    /// one; memory mapped before keeps its pages).
     pub fn page_size(&self) -> u64 {
         self.state.lock().page
     }
@@ -391,6 +423,9 @@ impl<D: Device> Allocator<D> {
         self.process_closed_imports();
         let mut st = self.state.lock();
         st.free(&self.device, ptr)?;
+        if st.drain_due {
+            st.drain_old(&self.device)?;
+        }
         if st.debug.is_some() {
             st.debug_after_free(&self.device)?;
         }
@@ -511,9 +546,9 @@ impl<D: Device> Allocator<D> {
             .retired
             .iter()
             .flat_map(|b| b.ranges.iter())
-            .map(|r| r.2 * st.page)
+            .map(|r| r.2 * st.arenas[r.0 as usize].page())
             .sum();
-        s.aliased_bytes = st.arenas.iter().map(Arena::lent_pages).sum::<u64>() * st.page;
+        s.aliased_bytes = st.arenas.iter().map(|a| a.lent_pages() * a.page()).sum();
         s.pending_frees = st.pending.len() as u64;
         let imp = self.imports.lock();
         s.ipc_imported_bytes = imp.bytes();
@@ -532,8 +567,7 @@ impl<D: Device> Allocator<D> {
 
     /// Physical bytes held now (reserved).
     pub fn reserved_bytes(&self) -> u64 {
-        let st = self.state.lock();
-        st.book.physical * st.page
+        self.state.lock().book.bytes
     }
 
     pub fn cache_info(&self) -> CacheInfo {
@@ -572,8 +606,9 @@ impl<D: Device> Allocator<D> {
         let st = self.state.lock();
         let b = st.live.get(&ptr)?;
         let a = &st.arenas[b.arena as usize];
-        let lo = ptr & !(st.page - 1);
-        let hi = (ptr + b.size).div_ceil(st.page) * st.page;
+        let page = a.page();
+        let lo = ptr & !(page - 1);
+        let hi = (ptr + b.size).div_ceil(page) * page;
         Some(a.pages_in(lo, hi).map(|(v, p)| (v, p.handle)).collect())
     }
 
@@ -583,8 +618,8 @@ impl<D: Device> Allocator<D> {
     pub fn share(&self, ptr: DevicePtr) -> Result<SharedPages> {
         let mut st = self.state.lock();
         let (base, size) = st.live_containing(ptr).ok_or(Error::UnknownPointer(ptr))?;
-        let page = st.page;
         let aid = st.live.get(&base).ok_or(Error::UnknownPointer(ptr))?.arena;
+        let page = st.arenas[aid as usize].page();
         let lo = base & !(page - 1);
         let hi = (base + size.max(1)).div_ceil(page) * page;
         let handles: Vec<PhysHandle> = st.arenas[aid as usize]
@@ -662,15 +697,14 @@ impl<D: Device> Allocator<D> {
     /// changes meanwhile.
     pub fn regrant_access(&self) -> Result<()> {
         let st = self.state.lock();
-        let page = st.page;
         for a in &st.arenas {
             for (start, len) in a.mapped_runs() {
                 drv_plain(&self.device, start, len)?;
             }
         }
         for b in &st.retired {
-            for &(_, start, n) in &b.ranges {
-                drv_plain(&self.device, start, n * page)?;
+            for &(aid, start, n) in &b.ranges {
+                drv_plain(&self.device, start, n * st.arenas[aid as usize].page())?;
             }
         }
         let imp = self.imports.lock();
@@ -817,6 +851,9 @@ impl State {
         if !self.pending.is_empty() && self.captures == 0 {
             self.process_pending(dev, false)?;
         }
+        if self.drain_due {
+            self.drain_old(dev)?;
+        }
         let size = match self.debug.is_some() {
             false => size,
             true => match self.debug_allocate(dev, requested, size, stream, pool)? {
@@ -829,10 +866,17 @@ impl State {
         } else {
             PoolKind::Large
         };
+        if self
+            .upgrade
+            .is_some_and(|(at, _)| self.book.bytes >= at && self.captures == 0)
+        {
+            self.upgrade_pages(dev)?;
+        }
         let aid = self.arena_id(ArenaKey {
             stream,
             kind,
             graph_pool: pool,
+            gen: self.gen,
         });
         self.now += 1;
         let now = self.now;
@@ -868,14 +912,21 @@ impl State {
         } else {
             PoolKind::Large
         };
-        let key = ArenaKey {
-            stream,
-            kind,
-            graph_pool: pool,
-        };
-        let Some(&aid) = self.arena_of.get(&key) else {
+        // The arena whose chunk holds `ptr` (of whichever page generation) if it serves
+        // this stream, pool kind and graph pool.
+        let aid = self
+            .chunk_owner
+            .range(..=ptr)
+            .next_back()
+            .filter(|(_, &(end, _))| ptr < end)
+            .map(|(_, &(_, aid))| aid)
+            .filter(|&aid| {
+                let k = self.arenas[aid as usize].key;
+                k.stream == stream && k.kind == kind && k.graph_pool == pool
+            });
+        let Some(aid) = aid else {
             return Err(Error::InvalidState(format!(
-                "cannot re-create block at {ptr:#x}: no memory of stream {stream:#x} in pool {pool:?}"
+                "cannot re-create block at {ptr:#x}: no memory of stream {stream:#x} in pool {pool:?} there"
             )));
         };
         self.flush_arena(aid)?;
@@ -1017,7 +1068,7 @@ impl State {
             requested,
             device_free,
             device_total: self.total,
-            reserved: self.book.physical * self.page,
+            reserved: self.book.bytes,
             allocated: self.stats.allocated_bytes.aggregate().current as u64,
             cached_free: cached,
             limit: self.limit,
@@ -1113,7 +1164,9 @@ impl State {
         self.stats.active.decrease(kind, 1);
         self.stats.active_bytes.decrease(kind, b.size as i64);
         self.trace(TraceAction::FreeCompleted, ptr, b.size, b.stream);
-        if self.arenas[b.arena as usize].quick_full() {
+        if self.arenas[b.arena as usize].key.gen != self.gen {
+            self.drain_due = true;
+        } else if self.arenas[b.arena as usize].quick_full() {
             self.flush_arena(b.arena)?;
         }
         Ok(())

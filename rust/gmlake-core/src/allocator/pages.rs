@@ -7,11 +7,17 @@ use super::*;
 ///
 /// Invariant (checked by `verify`): each page is in exactly one of: active in one arena at
 /// one address (`home` says where, and that arena's page table says the same), spare, or in
-/// a retired batch waiting for release; `physical` counts them all. Any page may also be
-/// mapped, inactive, at the addresses of lent blocks (aliases), but nothing else.
+/// a retired batch waiting for release; `physical` counts them all and `bytes` sums their
+/// sizes. Any page may also be mapped, inactive, at the addresses of lent blocks (aliases)
+/// of arenas of its generation, but nothing else. Spares are of the current page size.
 #[derive(Default)]
 pub(super) struct PageBook {
     pub physical: u64,
+    pub bytes: u64,
+    /// Pages of the generation before the page-size upgrade (each `old_page` bytes), until
+    /// released; every other page is of the current size.
+    pub old: FxHashSet<PhysHandle>,
+    pub old_page: u64,
     /// Created pages mapped nowhere actively (left over when a request failed half way).
     pub spare: Vec<PhysHandle>,
     /// Active page -> (arena, virtual address).
@@ -83,7 +89,7 @@ impl State {
         // miss, and leaves the free space more fragmented, so more misses follow).
         let within_budget = self.cfg.util_target.is_some_and(|t| {
             let active = self.stats.active_bytes.aggregate().current.max(0) as u64 + size;
-            ((self.book.physical + need) * self.page) as f64 <= active as f64 / t
+            (self.book.bytes + need * self.page) as f64 <= active as f64 / t
         });
         let steal_first = stitch && level == 0 && !within_budget;
         let mut avail = if steal_first {
@@ -94,7 +100,7 @@ impl State {
         let mut steal = need.min(avail);
         // Do not create pages for a request the limit cannot satisfy anyway.
         if let Some(limit) = self.limit {
-            let creatable = (limit / self.page).saturating_sub(self.book.physical);
+            let creatable = limit.saturating_sub(self.book.bytes) / self.page;
             let later = if stitch && !steal_first {
                 self.stealable_for(dev, aid, need, exclude)?
             } else {
@@ -140,10 +146,7 @@ impl State {
     pub(super) fn create_pages<D: Device>(&mut self, dev: &D, n: u64) -> Result<Vec<PhysHandle>> {
         let mut out = Vec::with_capacity(n as usize);
         for _ in 0..n {
-            if self
-                .limit
-                .is_some_and(|l| (self.book.physical + 1) * self.page > l)
-            {
+            if self.limit.is_some_and(|l| self.book.bytes + self.page > l) {
                 break;
             }
             match drv!(
@@ -153,6 +156,7 @@ impl State {
             ) {
                 Ok(h) => {
                     self.book.physical += 1;
+                    self.book.bytes += self.page;
                     self.stats.num_device_alloc += 1;
                     self.stats
                         .reserved_bytes
@@ -174,12 +178,15 @@ impl State {
     /// alias.
     pub(super) fn release_page<D: Device>(&mut self, dev: &D, h: PhysHandle) -> Result<()> {
         drv!(self, release_physical, dev.release_physical(h))?;
+        let size = self.page_bytes(h);
+        self.book.old.remove(&h);
         self.book.primary.remove(&h);
         self.book.physical -= 1;
+        self.book.bytes -= size;
         self.stats.num_device_free += 1;
         self.stats
             .reserved_bytes
-            .decrease(PoolKind::Large, self.page as i64);
+            .decrease(PoolKind::Large, size as i64);
         self.stats.segment.decrease(PoolKind::Large, 1);
         Ok(())
     }
@@ -273,9 +280,24 @@ impl State {
             .sum()
     }
 
-    /// Pages of this arena may be taken: it is no live CUDA graph pool.
+    /// Pages of this arena may be taken: it is of the current page generation (new ranges
+    /// are, and one range maps pages of one size) and no live CUDA graph pool.
     pub(super) fn pool_may_give(&self, a: &Arena) -> bool {
+        a.key.gen == self.gen && self.pool_released(a)
+    }
+
+    /// The arena is no live CUDA graph pool: its free pages may go back to the device.
+    pub(super) fn pool_released(&self, a: &Arena) -> bool {
         a.key.graph_pool == GraphPoolId::DEFAULT || self.released_pools.contains(&a.key.graph_pool)
+    }
+
+    /// The size of page `h`, held now.
+    pub(super) fn page_bytes(&self, h: PhysHandle) -> u64 {
+        if self.book.old.contains(&h) {
+            self.book.old_page
+        } else {
+            self.page
+        }
     }
 
     /// Pages of this arena may be taken for `stream`: same stream, or fenced since its last
@@ -471,7 +493,7 @@ impl State {
             },
         };
         // As `Arena::page_is_free`: the whole page lies in the free mapped block.
-        free && last.is_some_and(|(_, _, hi, _)| va + self.page <= hi)
+        free && last.is_some_and(|(_, _, hi, _)| va + a.page() <= hi)
     }
 
     /// The range of arena `aid` that `size` bytes should take among its kept mappings: a
@@ -486,7 +508,7 @@ impl State {
     pub(super) fn find_reuse(&self, aid: u32, size: u64, max_busy: u64) -> (Option<Reuse>, u64) {
         let arena = &self.arenas[aid as usize];
         let stream = arena.key.stream;
-        let page = self.page;
+        let page = arena.page();
         // Which lent pages are reusable: looked up page by page (the page's home block), or,
         // when the pages that can be free are fewer than the aliases to classify, read from
         // the set of those pages' handles, built once for the scan (on the concatenation
@@ -664,7 +686,7 @@ impl State {
                 )));
             }
             let xkind = self.arenas[x as usize].key.kind;
-            self.move_pages(xkind, kind, 1);
+            self.move_pages(xkind, kind, 1, self.arenas[x as usize].page());
             let stitched = self.book.primary.get(&h) != Some(&(aid, va));
             self.with_arena(aid, |a| a.claim_lent(va, now, stitched));
             self.book.home.insert(h, (aid, va));
@@ -674,10 +696,11 @@ impl State {
         if r.replace.is_empty() {
             return Ok(true);
         }
+        let page = self.arenas[aid as usize].page();
         let mut gone = Vec::with_capacity(r.replace.len());
         for &va in &r.replace {
             if let Some(h) = self.with_arena(aid, |a| a.unmap_lent_page(va)) {
-                drv!(self, unmap, dev.unmap(va, self.page as usize))?;
+                drv!(self, unmap, dev.unmap(va, page as usize))?;
                 gone.push((aid, va, h));
             }
         }
@@ -690,7 +713,6 @@ impl State {
             return Ok(false);
         };
         // Mapped run by run of consecutive addresses, each granted access with one call.
-        let page = self.page;
         let mut runs: Vec<(u64, usize)> = Vec::new(); // (first page, pages)
         for &va in &r.replace {
             match runs.last_mut() {
@@ -705,12 +727,12 @@ impl State {
         Ok(true)
     }
 
-    /// Moves the count of `n` pages from pool `from` to pool `to` (pages mapped nowhere
-    /// count as large).
-    pub(super) fn move_pages(&mut self, from: PoolKind, to: PoolKind, n: u64) {
+    /// Moves the count of `n` pages of `page` bytes from pool `from` to pool `to` (pages
+    /// mapped nowhere count as large).
+    pub(super) fn move_pages(&mut self, from: PoolKind, to: PoolKind, n: u64, page: u64) {
         self.stats
             .reserved_bytes
-            .transfer(from, to, (n * self.page) as i64);
+            .transfer(from, to, (n * page) as i64);
         self.stats.segment.transfer(from, to, n as i64);
     }
 
@@ -727,7 +749,8 @@ impl State {
         let now = self.now;
         let (_, handles) = self.with_arena(src, |a| a.take_pages(addr, max, Take::Lend(now)));
         let kind = self.arenas[src as usize].key.kind;
-        self.move_pages(kind, to, handles.len() as u64);
+        let page = self.arenas[src as usize].page();
+        self.move_pages(kind, to, handles.len() as u64, page);
         for h in &handles {
             self.book.home.remove(h);
         }
@@ -745,7 +768,7 @@ impl State {
         if pages.is_empty() {
             return Ok(());
         }
-        let p = self.page;
+        let p = self.arenas[aid as usize].page();
         let kind = self.arenas[aid as usize].key.kind;
         let n = pages.len() as u64;
         for (i, &(h, stitched)) in pages.iter().enumerate() {
@@ -771,7 +794,7 @@ impl State {
             return Err(e.into());
         }
         // Pages are counted in the large pool while they are mapped nowhere.
-        self.move_pages(PoolKind::Large, kind, n);
+        self.move_pages(PoolKind::Large, kind, n, p);
         let stream = self.arenas[aid as usize].key.stream;
         self.trace(TraceAction::SegmentMap, start, n * p, stream);
         Ok(())
@@ -786,9 +809,10 @@ impl State {
         mapped: u64,
         pages: &[(PhysHandle, bool)],
     ) {
+        let page = self.arenas[aid as usize].page();
         for i in 0..mapped {
-            let va = start + i * self.page;
-            let _ = drv!(self, unmap, dev.unmap(va, self.page as usize));
+            let va = start + i * page;
+            let _ = drv!(self, unmap, dev.unmap(va, page as usize));
             if let Some(p) = self.arenas[aid as usize].remove_page(va) {
                 self.book.home.remove(&p.handle);
             }

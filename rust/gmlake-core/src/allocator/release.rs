@@ -28,26 +28,45 @@ impl State {
             if handles.is_empty() {
                 break;
             }
-            let kind = self.arenas[src as usize].key.kind;
-            self.move_pages(kind, PoolKind::Large, handles.len() as u64);
-            for h in &handles {
-                self.book.home.remove(h);
-            }
-            batch.ranges.push((src, start, handles.len() as u64));
-            batch.release.extend(handles);
+            self.retire_pages(&mut batch, src, start, handles);
         }
-        if !batch.release.is_empty() {
-            // A page is released only once every mapping of it is gone: its aliases too.
-            let doomed: FxHashSet<PhysHandle> = batch.release.iter().copied().collect();
-            for aid in 0..self.arenas.len() as u32 {
-                let aliases = self.arenas[aid as usize].lent_matching(|h| doomed.contains(&h));
-                for (va, _) in aliases {
-                    self.with_arena(aid, |a| a.retire_lent(va, 1));
-                    batch.ranges.push((aid, va, 1));
-                }
-            }
-        }
+        self.retire_aliases(&mut batch);
         self.record_retired(dev, batch)
+    }
+
+    /// Puts `handles`, just taken with `Take::Retire` from arena `aid` at `start`, into
+    /// `batch` for unmapping and release.
+    pub(super) fn retire_pages(
+        &mut self,
+        batch: &mut RetiredBatch,
+        aid: u32,
+        start: u64,
+        handles: Vec<PhysHandle>,
+    ) {
+        let a = &self.arenas[aid as usize];
+        let (kind, page) = (a.key.kind, a.page());
+        self.move_pages(kind, PoolKind::Large, handles.len() as u64, page);
+        for h in &handles {
+            self.book.home.remove(h);
+        }
+        batch.ranges.push((aid, start, handles.len() as u64));
+        batch.release.extend(handles);
+    }
+
+    /// A page is released only once every mapping of it is gone: retires, into `batch`,
+    /// every alias of the pages it releases.
+    pub(super) fn retire_aliases(&mut self, batch: &mut RetiredBatch) {
+        if batch.release.is_empty() {
+            return;
+        }
+        let doomed: FxHashSet<PhysHandle> = batch.release.iter().copied().collect();
+        for aid in 0..self.arenas.len() as u32 {
+            let aliases = self.arenas[aid as usize].lent_matching(|h| doomed.contains(&h));
+            for (va, _) in aliases {
+                self.with_arena(aid, |a| a.retire_lent(va, 1));
+                batch.ranges.push((aid, va, 1));
+            }
+        }
     }
 
     /// Pages of aliases that may be kept: `max_aliases` times the pages held, and at least
@@ -62,6 +81,8 @@ impl State {
             return 0;
         }
         let by_ratio = (self.book.physical as f64 * self.cfg.max_aliases) as u64;
+        // In pages of the current size (after a page-size upgrade, the old generation's
+        // aliases count as pages too: they drain with it).
         by_ratio.max(self.cfg.alias_floor / self.page)
     }
 
@@ -91,10 +112,11 @@ impl State {
             if got.is_empty() {
                 break;
             }
+            let page = self.arenas[aid as usize].page();
             let gone: Vec<(u32, u64, PhysHandle)> = got
                 .iter()
                 .enumerate()
-                .map(|(i, &h)| (aid, addr + i as u64 * self.page, h))
+                .map(|(i, &h)| (aid, addr + i as u64 * page, h))
                 .collect();
             self.forget_primaries(&gone);
             batch.ranges.push((aid, addr, k));
@@ -119,9 +141,10 @@ impl State {
         self.synchronize_all(dev)?;
         self.flush_quick()?;
         for aid in 0..self.arenas.len() as u32 {
+            let page = self.arenas[aid as usize].page();
             let aliases = self.with_arena(aid, Arena::drain_lent);
             for &(va, _) in &aliases {
-                drv!(self, unmap, dev.unmap(va, self.page as usize))?;
+                drv!(self, unmap, dev.unmap(va, page as usize))?;
             }
             let gone: Vec<(u32, u64, PhysHandle)> =
                 aliases.into_iter().map(|(va, h)| (aid, va, h)).collect();
@@ -131,10 +154,11 @@ impl State {
             self.release_page(dev, h)?;
         }
         for aid in 0..self.arenas.len() as u32 {
-            if !self.pool_may_give(&self.arenas[aid as usize]) {
+            if !self.pool_released(&self.arenas[aid as usize]) {
                 continue;
             }
             let key = self.arenas[aid as usize].key;
+            let page = self.arenas[aid as usize].page();
             loop {
                 // Each take changes the arena's index of blocks by interior pages.
                 self.arenas[aid as usize].settle();
@@ -144,17 +168,17 @@ impl State {
                 let (start, handles) =
                     self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, Take::Unmap));
                 let n = handles.len() as u64;
-                self.move_pages(key.kind, PoolKind::Large, n);
+                self.move_pages(key.kind, PoolKind::Large, n, page);
                 for (i, h) in handles.into_iter().enumerate() {
                     drv!(
                         self,
                         unmap,
-                        dev.unmap(start + i as u64 * self.page, self.page as usize)
+                        dev.unmap(start + i as u64 * page, page as usize)
                     )?;
                     self.book.home.remove(&h);
                     self.release_page(dev, h)?;
                 }
-                self.trace(TraceAction::SegmentUnmap, start, n * self.page, key.stream);
+                self.trace(TraceAction::SegmentUnmap, start, n * page, key.stream);
             }
             for (start, len) in self.arenas[aid as usize].drain_empty_chunks() {
                 drv!(self, free_va, dev.free_va(start, len as usize))?;

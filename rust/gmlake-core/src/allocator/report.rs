@@ -6,6 +6,8 @@ impl State {
     pub(super) fn snapshot(&self) -> Snapshot {
         let mut segments = Vec::new();
         for a in &self.arenas {
+            let page = a.page();
+            let first = segments.len();
             let mut cur: Option<SegmentInfo> = None;
             let mut last_end = 0;
             for (addr, b) in a.blocks() {
@@ -41,8 +43,8 @@ impl State {
                     pages: 0,
                     blocks: Vec::new(),
                 });
-                let lo = addr & !(self.page - 1);
-                let hi = (addr + b.size).div_ceil(self.page) * self.page;
+                let lo = addr & !(page - 1);
+                let hi = (addr + b.size).div_ceil(page) * page;
                 let stitched = a.pages_in(lo, hi).any(|(_, p)| p.stitched);
                 let requested = self.live.get(&addr).map_or(0, |l| l.requested);
                 seg.total_size += b.size;
@@ -63,9 +65,9 @@ impl State {
                 });
             }
             segments.extend(cur.take());
-        }
-        for s in &mut segments {
-            s.pages = s.total_size / self.page;
+            for s in &mut segments[first..] {
+                s.pages = s.total_size / page;
+            }
         }
         segments.sort_by_key(|s| s.address);
         Snapshot {
@@ -80,15 +82,47 @@ impl State {
         let mut handles = FxHashSet::default();
         let (mut alloc, mut alloc_bytes) = ([0i64; 3], [0i64; 3]);
         let (mut inactive, mut inactive_bytes) = ([0i64; 3], [0i64; 3]);
-        // Pages by the pool of the arena where they are active (mapped nowhere: large).
+        // Pages and their bytes by the pool of the arena where they are active (mapped
+        // nowhere: large).
         let mut pool_pages = [0i64; 3];
+        let mut pool_bytes = [0i64; 3];
         for (aid, a) in self.arenas.iter().enumerate() {
             a.check()?;
+            // The upgrade: an arena maps pages of its generation's size, and only those.
+            let (gen_page, old) = if a.key.gen == self.gen {
+                (self.page, false)
+            } else {
+                (self.book.old_page, true)
+            };
+            if a.key.gen > self.gen || a.page() != gen_page {
+                return Err(format!(
+                    "arena {aid} of generation {} maps {} byte pages; generation {} maps {gen_page}",
+                    a.key.gen,
+                    a.page(),
+                    self.gen
+                ));
+            }
+            if let Some((va, h)) = a
+                .lent_matching(|h| self.book.old.contains(&h) != old)
+                .first()
+            {
+                return Err(format!(
+                    "arena {aid} of generation {} keeps an alias at {va:#x} of page {h:?} of another generation",
+                    a.key.gen
+                ));
+            }
             mapped += a.active_pages();
             pool_pages[a.key.kind as usize] += a.active_pages() as i64;
+            pool_bytes[a.key.kind as usize] += (a.active_pages() * a.page()) as i64;
             for (va, p) in a.pages_in(0, u64::MAX) {
                 if !handles.insert(p.handle) {
                     return Err(format!("handle {:?} mapped twice as active", p.handle));
+                }
+                if self.book.old.contains(&p.handle) != old {
+                    return Err(format!(
+                        "page {:?} at {va:#x} in arena {aid} is not of the arena's generation",
+                        p.handle
+                    ));
                 }
                 if self.book.home.get(&p.handle) != Some(&(aid as u32, va)) {
                     return Err(format!(
@@ -150,6 +184,29 @@ impl State {
                 self.book.physical
             ));
         }
+        // Bytes: each page held at its size; the old generation's pages are held ones.
+        if let Some(h) = self.book.spare.iter().find(|h| self.book.old.contains(h)) {
+            return Err(format!("spare page {h:?} is of the old page size"));
+        }
+        if let Some(h) = self.book.old.iter().find(|h| !created.contains(h)) {
+            return Err(format!("page {h:?} of the old generation is not held"));
+        }
+        let unmapped: Vec<PhysHandle> = self
+            .book
+            .spare
+            .iter()
+            .copied()
+            .chain(self.retired.iter().flat_map(|b| b.release.iter().copied()))
+            .collect();
+        let unmapped_bytes: u64 = unmapped.iter().map(|&h| self.page_bytes(h)).sum();
+        let held_bytes: u64 = pool_bytes.iter().sum::<i64>() as u64 + unmapped_bytes;
+        if held_bytes != self.book.bytes {
+            return Err(format!(
+                "pages held sum to {held_bytes} bytes, the book says {}",
+                self.book.bytes
+            ));
+        }
+        pool_bytes[PoolKind::Large as usize] += unmapped_bytes as i64;
         // Debug mode: guarded allocations and their pages live outside the arenas.
         self.debug_verify()?;
         let (guarded, guarded_bytes, held_ranges, debug_pages) = self.debug_counts();
@@ -169,16 +226,16 @@ impl State {
                 ));
             }
         }
-        if cur(&s.reserved_bytes, 0) != ((self.book.physical + debug_pages) * self.page) as i64
+        if cur(&s.reserved_bytes, 0) != (self.book.bytes + debug_pages * self.page) as i64
             || cur(&s.segment, 0) != (self.book.physical + debug_pages) as i64
         {
             return Err("reserved stats differ from pages held".into());
         }
         pool_pages[PoolKind::Large as usize] +=
             self.book.physical as i64 - mapped as i64 + debug_pages as i64;
+        pool_bytes[PoolKind::Large as usize] += (debug_pages * self.page) as i64;
         for (i, &pages) in pool_pages.iter().enumerate().skip(1) {
-            if cur(&s.segment, i) != pages || cur(&s.reserved_bytes, i) != pages * self.page as i64
-            {
+            if cur(&s.segment, i) != pages || cur(&s.reserved_bytes, i) != pool_bytes[i] {
                 return Err(format!(
                     "reserved stats of pool {i} ({} pages) differ from the pages active there ({pages})",
                     cur(&s.segment, i)

@@ -170,12 +170,9 @@ impl State {
             }
             let b = self.retired.pop_front().expect("front exists");
             for &(aid, start, n) in &b.ranges {
+                let page = self.arenas[aid as usize].page();
                 for i in 0..n {
-                    drv!(
-                        self,
-                        unmap,
-                        dev.unmap(start + i * self.page, self.page as usize)
-                    )?;
+                    drv!(self, unmap, dev.unmap(start + i * page, page as usize))?;
                 }
                 self.with_arena(aid, |a| a.unretire(start));
             }

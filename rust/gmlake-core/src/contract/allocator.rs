@@ -145,6 +145,16 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
             auto_gc::<T>,
         ),
         c(
+            "allocator/a_job_below_the_page_upgrade_keeps_its_pages",
+            Only::Any,
+            page_upgrade_not_reached::<T>,
+        ),
+        c(
+            "allocator/the_page_upgrade_drains_the_first_generation",
+            Only::Any,
+            page_upgrade_drains::<T>,
+        ),
+        c(
             "allocator/many_threads_share_one_allocator",
             Only::Any,
             many_threads::<T>,
@@ -1092,6 +1102,112 @@ fn auto_gc<T: Target>(t: &T) -> CaseResult {
     ensure(held_on < held_off, || {
         format!("held {held_on} >= {held_off}")
     })
+}
+
+/// `page_upgrade_at` of `at` bytes, to 8 MiB pages.
+fn upgrade_config(at: u64) -> Config {
+    Config {
+        page_upgrade_at: Some(at),
+        page_upgrade_size: 4 * PAGE,
+        ..Config::default()
+    }
+}
+
+fn page_upgrade_not_reached<T: Target>(t: &T) -> CaseResult {
+    let a = setup2(t, 1 << 30, upgrade_config(128 * MIB))?;
+    // Up to 106 MiB held, with stitching: the first page size throughout.
+    let _live = checkerboard(&a, 0)?;
+    let p = a.allocate(40 * MIB, 0).step("allocate 40 MiB")?;
+    a.free(p).step("free")?;
+    a.allocate(6 * MIB, 0).step("allocate 6 MiB")?;
+    let s = a.stats();
+    ensure(s.page_upgrades == 0 && a.page_size() == PAGE, || {
+        format!(
+            "{} upgrades, pages of {} bytes at {} reserved",
+            s.page_upgrades,
+            a.page_size(),
+            reserved(&a)
+        )
+    })?;
+    verify(&a)
+}
+
+fn page_upgrade_drains<T: Target>(t: &T) -> CaseResult {
+    let a = setup2(t, 1 << 30, upgrade_config(40 * MIB))?;
+    let before = census(t, a.device());
+    // 40 MiB in 2 MiB pages: the threshold (the allocator holds it before the last one).
+    let old = (0..10)
+        .map(|_| a.allocate(4 * MIB, 0).step("allocate 4 MiB"))
+        .collect::<Result<Vec<u64>, _>>()?;
+    ensure(a.page_size() == PAGE, || {
+        "upgraded before the threshold".into()
+    })?;
+    // The next allocation is of the new generation: 8 MiB pages.
+    let big = a.allocate(24 * MIB, 0).step("allocate 24 MiB")?;
+    ensure(
+        a.page_size() == 4 * PAGE && a.stats().page_upgrades == 1,
+        || format!("pages of {} bytes after the threshold", a.page_size()),
+    )?;
+    let pages = a.pages_of(big).ok_or("no pages for the new block")?;
+    ensure(pages.len() == 3, || {
+        format!("{} pages under 24 MiB of 8 MiB pages", pages.len())
+    })?;
+    for (i, (va, _)) in pages.iter().enumerate() {
+        ensure(*va == big + i as u64 * 4 * PAGE, || {
+            format!("page {i} at {va:#x}")
+        })?;
+    }
+    verify(&a)?;
+    // Blocks freed in the old generation go back to the device (behind an event; the next
+    // miss releases what completed), not into a cache.
+    for p in old.iter().step_by(2) {
+        a.free(*p).step("free")?;
+    }
+    t.complete_all(a.device()).step("complete_all")?;
+    let small = a.allocate(16 * MIB, 0).step("allocate 16 MiB")?;
+    verify(&a)?;
+    let held = reserved(&a);
+    ensure(held == 20 * MIB + 24 * MIB + 16 * MIB, || {
+        format!("{held} bytes reserved; 20 MiB live in 2 MiB pages and 40 MiB in 8 MiB ones")
+    })?;
+    ensure(a.stats().pages_drained == 10, || {
+        format!("{} pages drained, 10 expected", a.stats().pages_drained)
+    })?;
+    // A freed block of the new generation stays cached, and serves the next request.
+    a.free(small).step("free")?;
+    let calls_before = calls(&a);
+    let again = a.allocate(16 * MIB, 0).step("allocate 16 MiB again")?;
+    ensure(again == small && calls(&a) == calls_before, || {
+        "a freed block of the new generation was not reused as it was".into()
+    })?;
+    for p in old.iter().skip(1).step_by(2) {
+        a.free(*p).step("free")?;
+    }
+    t.complete_all(a.device()).step("complete_all")?;
+    let side = a.allocate(8 * MIB, 1).step("allocate on another stream")?;
+    verify(&a)?;
+    let held = reserved(&a);
+    ensure(held == 48 * MIB, || {
+        format!("{held} bytes reserved once the first generation is gone; 48 MiB expected")
+    })?;
+    // Everything goes back.
+    for p in [big, again, side] {
+        a.free(p).step("free")?;
+    }
+    a.empty_cache().step("empty_cache")?;
+    ensure(reserved(&a) == 0, || {
+        format!("{} bytes reserved", reserved(&a))
+    })?;
+    verify(&a)?;
+    if let (Some(b), Some(now)) = (before, census(t, a.device())) {
+        ensure(
+            now.handles == b.handles
+                && now.mappings == b.mappings
+                && now.reservations == b.reservations,
+            || format!("device holds {now:?} after empty_cache, {b:?} before"),
+        )?;
+    }
+    Ok(())
 }
 
 fn many_threads<T: Target>(t: &T) -> CaseResult {

@@ -1,0 +1,97 @@
+//! The page-size upgrade (`page_upgrade_at`, `page_upgrade_size`).
+//!
+//! The driver charges per page, so large jobs want large pages; small ones lose utilization
+//! with them (a partly used page is held whole). The job's scale is not known before its
+//! first page, so the allocator learns it: it starts with the first page size, and once it
+//! holds `page_upgrade_at` bytes it moves to the next *generation*. From then on:
+//! - new arenas are of the new generation (`ArenaKey::gen`) and map pages of the new size;
+//!   every allocation goes to them;
+//! - arenas of the old generation only free: each block freed there gives its whole free
+//!   pages back to the device (unmapped behind an event on the arena's stream, and
+//!   released, as garbage collection does: `drain_old`), with every alias of them;
+//! - pages move only within a generation (`State::pool_may_give`), so that one range never
+//!   maps pages of two sizes.
+//!
+//! The old generation thus drains into the new one as its blocks die: after a few steps of
+//! a training job, everything it holds is in large pages. The replay's model of this
+//! (`gmlake replay --upgrade-pages`, two allocators side by side) kept every bundled trace
+//! at 0.97 utilization or above with a threshold of 1-2 GiB (docs/design.md).
+//!
+//! Invariants (checked by `verify`): an arena's pages are of its generation's size; the
+//! pages of the old generation are the ones in `PageBook::old`; spares are of the current
+//! size.
+
+use super::*;
+
+impl State {
+    /// Moves to the next page generation: new memory gets `page_upgrade_size` pages. The
+    /// spare pages and the free pages of the old generation go back to the device. Called
+    /// with no graph capture under way (events are recorded).
+    pub(super) fn upgrade_pages<D: Device>(&mut self, dev: &D) -> Result<()> {
+        let Some((_, page)) = self.upgrade.take() else {
+            return Ok(());
+        };
+        // Every page held now is of the old size: active (`home`), spare, or waiting for
+        // release (the `PageBook` invariant).
+        let mut old: FxHashSet<PhysHandle> = self.book.home.keys().copied().collect();
+        old.extend(self.book.spare.iter().copied());
+        old.extend(self.retired.iter().flat_map(|b| b.release.iter().copied()));
+        tracing::info!(
+            from = self.page,
+            to = page,
+            held = self.book.bytes,
+            "gmlake: page-size upgrade"
+        );
+        self.book.old = old;
+        self.book.old_page = self.page;
+        self.page = page;
+        self.gen += 1;
+        self.last_arena = None;
+        self.stats.page_upgrades += 1;
+        // Spares may still be mapped by aliases: released after those are unmapped.
+        let mut batch = RetiredBatch {
+            release: std::mem::take(&mut self.book.spare),
+            ..RetiredBatch::default()
+        };
+        self.retire_aliases(&mut batch);
+        self.record_retired(dev, batch)?;
+        self.drain_old(dev)
+    }
+
+    /// Gives the whole free pages of the arenas of older generations back to the device
+    /// (behind an event on each arena's stream, with their aliases), and releases what
+    /// earlier drains retired once their events have completed. Live CUDA graph pools keep
+    /// theirs; during a capture (no events) it waits for a later call.
+    pub(super) fn drain_old<D: Device>(&mut self, dev: &D) -> Result<()> {
+        if self.captures > 0 {
+            self.drain_due = true;
+            return Ok(());
+        }
+        self.drain_due = false;
+        self.process_retired(dev, false)?;
+        let mut batch = RetiredBatch::default();
+        for aid in 0..self.arenas.len() as u32 {
+            let a = &self.arenas[aid as usize];
+            if a.key.gen == self.gen || !self.pool_released(a) {
+                continue;
+            }
+            self.flush_arena(aid)?;
+            loop {
+                // Each take changes the arena's index of blocks by interior pages.
+                self.arenas[aid as usize].settle();
+                let Some((_, addr)) = self.arenas[aid as usize].largest() else {
+                    break;
+                };
+                let (start, handles) =
+                    self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, Take::Retire));
+                if handles.is_empty() {
+                    break;
+                }
+                self.stats.pages_drained += handles.len() as u64;
+                self.retire_pages(&mut batch, aid, start, handles);
+            }
+        }
+        self.retire_aliases(&mut batch);
+        self.record_retired(dev, batch)
+    }
+}
