@@ -1,7 +1,8 @@
 //! Behaviour of the allocator that only the simulated device (or a hand-written device) can
 //! show: out of memory at the device itself rather than at a limit, a device that refuses
-//! everything, the type's thread-safety, and which streams a wait before a release covers
-//! (the simulated device's hazard log). Every device-independent behaviour test lives in
+//! everything, the type's thread-safety, which streams a wait before a release covers
+//! (the simulated device's hazard log), and a device whose memory is no multiple of the
+//! pages after a page-size upgrade. Every device-independent behaviour test lives in
 //! the contract suite (`gmlake_core::contract::allocator`, run by tests/contract.rs on the
 //! simulated device, by gmlake-cuda on its mock driver and on a real GPU).
 
@@ -213,4 +214,27 @@ fn waits_before_release(cross_stream_wait: bool) {
     dev.complete_all();
     a.empty_cache().unwrap();
     assert_eq!(dev.physical_bytes(), 0);
+}
+
+/// After a page-size upgrade, new virtual chunks are whole pages of the new size even where
+/// the device's memory (the default chunk size) is no multiple of it: on an H200 (143,771
+/// MiB) a chunk sized in 2 MiB pages left an unmapped tail of a partial 8 MiB page.
+#[test]
+fn chunks_after_a_page_upgrade_are_whole_larger_pages() {
+    let cfg = Config {
+        page_upgrade_at: Some(4 * MIB),
+        page_upgrade_size: 8 * MIB,
+        ..Config::default()
+    };
+    let (_dev, a) = setup(1024 * MIB + PAGE, cfg);
+    let first = a.allocate(4 * MIB, 0).unwrap();
+    let p = a.allocate(20 * MIB, 0).unwrap();
+    assert_eq!(a.page_size(), 8 * MIB);
+    assert_eq!(p % (8 * MIB), 0);
+    a.verify().unwrap();
+    a.free(first).unwrap();
+    a.free(p).unwrap();
+    a.verify().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats().reserved_bytes.aggregate().current, 0);
 }

@@ -15,6 +15,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 const PAGE: u64 = 2 << 20;
+/// The simulated device's memory: 47 pages, which is no multiple of the larger pages of a
+/// page-size upgrade (their virtual chunks must still be whole pages).
+const DEVICE: u64 = 47 * PAGE;
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -61,7 +64,7 @@ fn config() -> impl Strategy<Value = Config> {
                 // No kept aliases, the default, and a bound small enough to evict often.
                 max_aliases: [0.0, 4.0, 0.01][aliases],
                 // A floor below the device's size, so that the bounds above evict (the default
-                // floor, 128 GiB, is far above this 96 MiB device).
+                // floor, 128 GiB, is far above this 94 MiB device).
                 alias_floor: 8 * PAGE,
                 // Stitch first (the default), or create first within a utilization budget.
                 util_target: [None, Some(0.9), Some(0.5)][target],
@@ -132,7 +135,7 @@ fn check_live(dev: &SimDevice, live: &[(u64, u64)]) -> Result<(), String> {
 }
 
 fn run(config: Config, ops: Vec<Op>) -> Result<(), TestCaseError> {
-    let dev = Arc::new(SimDevice::new(48 * PAGE).asynchronous());
+    let dev = Arc::new(SimDevice::new(DEVICE).asynchronous());
     let a = Allocator::new(dev.clone(), config).map_err(|e| TestCaseError::fail(e.to_string()))?;
     let mut live: Vec<(u64, u64)> = Vec::new();
     for op in ops {
@@ -165,7 +168,7 @@ fn run(config: Config, ops: Vec<Op>) -> Result<(), TestCaseError> {
         }
         a.verify().map_err(TestCaseError::fail)?;
         check_live(&dev, &live).map_err(TestCaseError::fail)?;
-        prop_assert!(dev.physical_bytes() <= 48 * PAGE);
+        prop_assert!(dev.physical_bytes() <= DEVICE);
         let hazards = dev.hazards();
         prop_assert!(hazards.is_empty(), "{:?}", hazards);
     }
@@ -231,7 +234,7 @@ fn long_sequence() -> Vec<Op> {
 #[test]
 fn a_kept_window_waits_briefly_for_its_fence() {
     let ops = long_sequence();
-    let dev = Arc::new(SimDevice::new(48 * PAGE).asynchronous());
+    let dev = Arc::new(SimDevice::new(DEVICE).asynchronous());
     let a = Allocator::new(dev.clone(), Config::default()).unwrap();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let completer = {
@@ -307,7 +310,7 @@ fn apply_reuse_op(
 }
 
 fn run_reuse_ops(ops: &[Op], config: Config) -> gmlake_core::DeviceStats {
-    let dev = Arc::new(SimDevice::new(48 * PAGE).asynchronous());
+    let dev = Arc::new(SimDevice::new(DEVICE).asynchronous());
     let a = Allocator::new(dev.clone(), config).unwrap();
     let mut live: Vec<(u64, u64)> = Vec::new();
     for op in ops.iter().cloned() {

@@ -1091,11 +1091,13 @@ impl State {
     }
 
     fn grow_arena<D: Device>(&mut self, dev: &D, aid: u32, size: u64) -> Result<()> {
-        let len = self.chunk_size.max(size.div_ceil(self.page) * self.page);
+        // In whole pages of the arena's generation (`chunk_size` is in the first page size).
+        let page = self.arenas[aid as usize].page();
+        let len = self.chunk_size.max(size).div_ceil(page) * page;
         let va = drv!(
             self,
             reserve_va,
-            dev.reserve_va(len as usize, self.page as usize)
+            dev.reserve_va(len as usize, page as usize)
         )?;
         self.arenas[aid as usize].add_chunk(va, len);
         self.chunk_owner.insert(va, (va + len, aid));
