@@ -26,21 +26,16 @@ struct Charted {
     ours: bool,
 }
 
-/// The replay's allocator: side streams busy or not (`--busy-side-streams`), with a page-size
-/// upgrade (`--upgrade-pages`) or not.
+/// The replay's allocator: side streams busy or not (`--busy-side-streams`).
 fn make_backend(
     args: &ReplayArgs,
     capacity: u64,
     config: gmlake_core::Config,
 ) -> Result<SimBackend, gmlake_core::Error> {
-    let backend = if args.busy_side_streams {
-        SimBackend::busy_side_streams(capacity, config.clone())
+    if args.busy_side_streams {
+        SimBackend::busy_side_streams(capacity, config)
     } else {
-        SimBackend::new(capacity, config.clone())
-    }?;
-    match args.upgrade_pages {
-        Some((at, page)) => backend.with_upgrade(at, page, capacity, config),
-        None => Ok(backend),
+        SimBackend::new(capacity, config)
     }
 }
 

@@ -197,11 +197,10 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub busy_side_streams: bool,
 
-    /// A model of a page-size upgrade, which the allocator does not have yet: once it holds AT
-    /// bytes, every later allocation goes to a second allocator with pages of PAGE bytes (e.g.
-    /// `1GiB:8MiB`), and the first one gives its pages back to the device as its blocks are
-    /// freed. Small jobs keep the configured page; large ones get few driver calls a step.
-    /// The figures are the two allocators' sums.
+    /// The page-size upgrade, short for `--set page_upgrade_at=AT --set page_upgrade_size=PAGE`
+    /// (e.g. `1GiB:8MiB`): once the allocator holds AT bytes, later allocations get pages of
+    /// PAGE bytes, and the memory in the smaller pages goes back to the device as its blocks
+    /// are freed. Small jobs keep the configured page; large ones get few driver calls a step.
     #[arg(long, value_name = "AT:PAGE", value_parser = parse_upgrade)]
     pub upgrade_pages: Option<(u64, u64)>,
 
@@ -280,6 +279,10 @@ impl ReplayArgs {
         let mut config = Config::default();
         for s in &self.settings {
             config.set(&s.key, &s.value)?;
+        }
+        if let Some((at, page)) = self.upgrade_pages {
+            config.page_upgrade_at = Some(at);
+            config.page_upgrade_size = page;
         }
         Ok(config)
     }

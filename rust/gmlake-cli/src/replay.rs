@@ -66,28 +66,9 @@ pub const WAITER_STREAMS: StreamId = 1 << 62;
 /// The GMLake allocator on a simulated device.
 pub struct SimBackend {
     allocator: Allocator<SimDevice>,
-    /// `--upgrade-pages`: the allocator with larger pages that takes over at a size.
-    upgrade: Option<Upgrade>,
     /// Events recorded on the job's streams stay pending until the next trace event.
     busy: bool,
 }
-
-/// `--upgrade-pages AT:PAGE`, a model of a page-size upgrade (not built in the core): once the
-/// allocator holds `at` bytes, every later allocation goes to a second allocator with pages of
-/// `PAGE` bytes, on a simulated device of its own; the first one only frees from then on, and
-/// gives its free pages back to the device at each free (`empty_cache`), so that its memory
-/// drains into the second as its blocks die. Small jobs never reach `at` and keep the small
-/// page; large ones pay the large page's few calls a step after the switch.
-struct Upgrade {
-    at: u64,
-    switched: bool,
-    allocator: Allocator<SimDevice>,
-    /// Live pointers of the second allocator.
-    live: rustc_hash::FxHashSet<DevicePtr>,
-}
-
-/// Where the second allocator's simulated device starts its virtual addresses.
-const UPGRADE_VA_OFFSET: u64 = 1 << 44;
 
 /// Our allocator's figures after a replay.
 #[derive(Clone, Debug, PartialEq)]
@@ -107,7 +88,6 @@ impl SimBackend {
     /// Events the allocator records on the job's streams complete at once.
     pub fn new(capacity: u64, config: Config) -> Result<SimBackend, CoreError> {
         Ok(SimBackend {
-            upgrade: None,
             allocator: Allocator::new(
                 SimDevice::new(capacity).pending_from(WAITER_STREAMS),
                 config,
@@ -124,34 +104,9 @@ impl SimBackend {
     /// in [`SimBackend::new`].
     pub fn busy_side_streams(capacity: u64, config: Config) -> Result<SimBackend, CoreError> {
         Ok(SimBackend {
-            upgrade: None,
             allocator: Allocator::new(SimDevice::new(capacity).pending_from(1), config)?,
             busy: true,
         })
-    }
-
-    /// `--upgrade-pages AT:PAGE` (see `Upgrade`): allocations after this allocator holds
-    /// `at` bytes go to a second one, `config` with `page_size` = `page`, on a simulated
-    /// device of `capacity` bytes whose events behave as this one's.
-    pub fn with_upgrade(
-        mut self,
-        at: u64,
-        page: u64,
-        capacity: u64,
-        mut config: Config,
-    ) -> Result<SimBackend, CoreError> {
-        config.page_size = page;
-        let first = if self.busy { 1 } else { WAITER_STREAMS };
-        let dev = SimDevice::new(capacity)
-            .pending_from(first)
-            .va_offset(UPGRADE_VA_OFFSET);
-        self.upgrade = Some(Upgrade {
-            at,
-            switched: false,
-            allocator: Allocator::new(dev, config)?,
-            live: Default::default(),
-        });
-        Ok(self)
     }
 
     /// The allocator's page size.
@@ -163,98 +118,43 @@ impl SimBackend {
     pub fn summary(&self, sampled_peak: u64) -> OursSummary {
         let stats = self.allocator.stats();
         let stats_peak = u64::try_from(stats.reserved_bytes.aggregate().peak).unwrap_or(0);
-        let mut o = OursSummary {
+        OursSummary {
             peak_reserved_bytes: sampled_peak.max(stats_peak),
             stitches: stats.stitches,
             pages_stitched: stats.pages_stitched,
             driver_calls: stats.driver_calls,
             config: self.allocator.config().to_pairs(),
-        };
-        if let Some(u) = &self.upgrade {
-            // The peak stays the sampled sum of both devices (`reserved_bytes`): their own
-            // peaks need not coincide.
-            let s = u.allocator.stats();
-            o.stitches += s.stitches;
-            o.pages_stitched += s.pages_stitched;
-            o.driver_calls = gmlake_core::cost::sum(&o.driver_calls, &s.driver_calls);
-            o.config.push((
-                "upgrade_pages",
-                format!("{}:{}", u.at, u.allocator.page_size()),
-            ));
         }
-        o
     }
 }
 
 impl Backend for SimBackend {
     #[inline]
     fn allocate(&mut self, size: u64, stream: StreamId) -> Result<DevicePtr, CoreError> {
-        if let Some(u) = &mut self.upgrade {
-            if !u.switched && self.allocator.device().physical_bytes() >= u.at {
-                u.switched = true;
-            }
-            if u.switched {
-                let p = u.allocator.allocate(size, stream)?;
-                u.live.insert(p);
-                return Ok(p);
-            }
-        }
         self.allocator.allocate(size, stream)
     }
     #[inline]
     fn free(&mut self, ptr: DevicePtr) -> Result<(), CoreError> {
-        if let Some(u) = &mut self.upgrade {
-            if u.live.remove(&ptr) {
-                return u.allocator.free(ptr);
-            }
-            if u.switched {
-                self.allocator.free(ptr)?;
-                return self.allocator.empty_cache();
-            }
-        }
         self.allocator.free(ptr)
     }
     #[inline]
     fn reserved_bytes(&self) -> u64 {
         self.allocator.device().physical_bytes()
-            + self
-                .upgrade
-                .as_ref()
-                .map_or(0, |u| u.allocator.device().physical_bytes())
     }
     fn driver_calls(&self) -> Option<DriverCalls> {
-        let c = self.allocator.stats().driver_calls;
-        Some(match &self.upgrade {
-            Some(u) => gmlake_core::cost::sum(&c, &u.allocator.stats().driver_calls),
-            None => c,
-        })
+        Some(self.allocator.stats().driver_calls)
     }
     fn stitch_counts(&self) -> Option<StitchCounts> {
-        // Both allocators' counters with `--upgrade-pages`, as for the driver calls.
-        let upgraded = self.upgrade.as_ref().map(|u| &u.allocator);
-        let all: Vec<_> = std::iter::once(&self.allocator)
-            .chain(upgraded)
-            .map(|a| a.stats().counters())
-            .collect();
-        let value = |name| {
-            all.iter()
-                .map(|cs| cs.iter().find(|c| c.0 == name).map_or(0, |c| c.1))
-                .sum()
-        };
+        let counters = self.allocator.stats().counters();
+        let value = |name| counters.iter().find(|c| c.0 == name).map_or(0, |c| c.1);
         Some(WINDOW_COUNTERS.map(value))
     }
     fn free_after(&mut self, ptr: DevicePtr, waiter: StreamId) -> Result<(), CoreError> {
-        match &self.upgrade {
-            Some(u) if u.live.contains(&ptr) => u.allocator.record_stream(ptr, waiter)?,
-            _ => self.allocator.record_stream(ptr, waiter)?,
-        }
+        self.allocator.record_stream(ptr, waiter)?;
         self.free(ptr)
     }
     fn complete(&mut self, waiter: StreamId) {
         self.allocator.device().complete_stream(waiter);
-        if let Some(u) = &self.upgrade {
-            u.allocator.device().complete_stream(waiter);
-        }
     }
     #[inline]
     fn settle(&mut self) {
@@ -262,9 +162,6 @@ impl Backend for SimBackend {
             self.allocator
                 .device()
                 .complete_streams_below(WAITER_STREAMS);
-            if let Some(u) = &self.upgrade {
-                u.allocator.device().complete_streams_below(WAITER_STREAMS);
-            }
         }
     }
 }

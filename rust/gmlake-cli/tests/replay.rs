@@ -891,12 +891,13 @@ fn ops_lists_every_allocation_once() {
     assert!(text(&bad.stderr).contains("--device 7 is not one"));
 }
 
-/// `--upgrade-pages AT:PAGE` models a page-size upgrade: a job that never holds AT bytes
-/// (decode, 0.34 GB) replays as without it; one that does (stress, 33 GB) moves to the larger
-/// pages and makes far fewer driver calls at nearly the same utilization; the JSON names the
-/// setting. A page that is no power of two is refused, naming the option.
+/// `--upgrade-pages AT:PAGE` (the core's `page_upgrade_at`, `page_upgrade_size`): a job that
+/// never holds AT bytes (decode, 0.34 GB) replays as without it; one that does (stress, 33 GB)
+/// moves to the larger pages and makes far fewer driver calls at nearly the same
+/// utilization; the JSON names the setting. A page that is no power of two is refused,
+/// naming the option.
 #[test]
-fn upgrade_pages_models_a_page_size_upgrade() {
+fn upgrade_pages_replays_a_page_size_upgrade() {
     let calls = |r: &Value| r["driver_calls"]["total"].as_u64().unwrap();
     let util = |r: &Value| r["utilization"].as_f64().unwrap();
     let small = replay_row("decode.pickle", &[]);
@@ -920,8 +921,9 @@ fn upgrade_pages_models_a_page_size_upgrade() {
         util(&large_up),
         util(&large)
     );
-    assert_eq!(large_up["config"]["upgrade_pages"], "1073741824:8388608");
-    // `--windows` counts both allocators' stitches, as the summary does.
+    assert_eq!(large_up["config"]["page_upgrade_at"], "1073741824");
+    assert_eq!(large_up["config"]["page_upgrade_size"], "8388608");
+    // `--windows` counts the stitches the summary counts.
     let windowed = replay_row(
         "stress.pickle",
         &["--upgrade-pages", "1GiB:8MiB", "--windows", "3"],

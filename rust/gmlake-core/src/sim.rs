@@ -206,15 +206,6 @@ impl SimDevice {
         }
     }
 
-    /// Virtual addresses from `offset` above the usual base on (below 2^45): two simulated
-    /// devices in one process (the replay's `--upgrade-pages`, one allocator per page size)
-    /// hand out disjoint addresses.
-    pub fn va_offset(mut self, offset: u64) -> SimDevice {
-        assert!(offset < 1 << 45, "a virtual address offset below 2^45");
-        self.state.get_mut().next_va = VA_BASE + offset;
-        self
-    }
-
     /// Events recorded from now on stay pending until completed explicitly.
     pub fn asynchronous(mut self) -> SimDevice {
         self.asynchronous = true;
