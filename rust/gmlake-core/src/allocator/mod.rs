@@ -15,7 +15,8 @@
 //! Module map: this file holds the API and the hot path (allocate, free); `pages` sources
 //! pages (spare, new, stitched, reused) and owns their accounting (`PageBook`); `streams`
 //! holds fences, pending frees, retired ranges and events; `release` returns memory
-//! (empty_cache, autoGC, alias eviction); `report` holds snapshots and the invariant check.
+//! (empty_cache, autoGC, alias eviction); `report` holds snapshots and the invariant check;
+//! `upgrade` holds the page-size upgrade (page generations, draining the old one).
 //!
 //! Stream rules, as PyTorch's: a block freed on stream S is reused on S at once; a block
 //! used on other streams (record_stream) is freed only once events recorded on those
