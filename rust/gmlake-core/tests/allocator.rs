@@ -1,8 +1,9 @@
 //! Behaviour of the allocator that only the simulated device (or a hand-written device) can
 //! show: out of memory at the device itself rather than at a limit, a device that refuses
 //! everything, the type's thread-safety, which streams a wait before a release covers
-//! (the simulated device's hazard log), and a device whose memory is no multiple of the
-//! pages after a page-size upgrade. Every device-independent behaviour test lives in
+//! (the simulated device's hazard log), a device whose memory is no multiple of the pages
+//! after a page-size upgrade, and the upgrade's settings (off in debug mode, its page size
+//! checked). Every device-independent behaviour test lives in
 //! the contract suite (`gmlake_core::contract::allocator`, run by tests/contract.rs on the
 //! simulated device, by gmlake-cuda on its mock driver and on a real GPU).
 
@@ -237,4 +238,44 @@ fn chunks_after_a_page_upgrade_are_whole_larger_pages() {
     a.verify().unwrap();
     a.empty_cache().unwrap();
     assert_eq!(a.stats().reserved_bytes.aggregate().current, 0);
+}
+
+/// The memory debugging mode turns the page-size upgrade off (its guard pages assume one page
+/// size): the job keeps its pages past the threshold.
+#[test]
+fn the_debug_mode_turns_the_page_upgrade_off() {
+    let mut cfg = Config {
+        page_upgrade_at: Some(4 * MIB),
+        ..Config::default()
+    };
+    cfg.set("debug", "all").unwrap();
+    let (_dev, a) = setup(1 << 30, cfg);
+    let p = a.allocate(16 * MIB, 0).unwrap();
+    let q = a.allocate(16 * MIB, 0).unwrap();
+    assert_eq!(a.page_size(), PAGE);
+    assert_eq!(a.stats().page_upgrades, 0);
+    a.free(p).unwrap();
+    a.free(q).unwrap();
+    a.verify().unwrap();
+}
+
+/// `page_upgrade_size` must be a larger page than the first one, and a multiple of the
+/// device's granularity: otherwise `Allocator::new` names the key.
+#[test]
+fn a_page_upgrade_to_no_larger_page_names_the_key() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    for size in [PAGE, PAGE / 2] {
+        let cfg = Config {
+            page_upgrade_at: Some(1 << 30),
+            page_upgrade_size: size,
+            ..Config::default()
+        };
+        match Allocator::new(dev.clone(), cfg) {
+            Err(e @ Error::InvalidConfig { .. }) => {
+                assert!(e.to_string().contains("page_upgrade_size"), "{e}")
+            }
+            Err(e) => panic!("expected InvalidConfig, got {e}"),
+            Ok(_) => panic!("page_upgrade_size {size} accepted"),
+        }
+    }
 }

@@ -511,3 +511,39 @@ mod closing_properties {
         }
     }
 }
+
+/// After a page-size upgrade (`page_upgrade_at`), blocks of either generation are shared with
+/// their own page size: the importer maps the exporter's pages at the size they have.
+#[test]
+fn blocks_of_both_page_generations_are_shared_at_their_page_size() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let cfg = Config {
+        page_upgrade_at: Some(8 * MIB),
+        page_upgrade_size: 4 * PAGE,
+        ..Config::default()
+    };
+    let a = Allocator::new(dev.clone(), cfg).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let old = a.allocate(8 * MIB, 0).unwrap();
+    let new = a.allocate(20 * MIB, 0).unwrap();
+    assert_eq!(a.page_size(), 8 * MIB);
+    for (ptr, len, page) in [(old, 8 * MIB, PAGE), (new, 20 * MIB, 8 * MIB)] {
+        let shared = a.share(ptr).unwrap();
+        assert_eq!(shared.page_size, page);
+        assert_eq!(shared.handles.len() as u64, len.div_ceil(page));
+        dev.fill(ptr, len, ptr, 0).unwrap();
+        let (bytes, offset) = send(&dev, &a, ptr);
+        let base = receive(&dev, &b, &bytes).unwrap();
+        assert_eq!(
+            dev.checksum(base + offset, len).unwrap(),
+            dev.checksum(ptr, len).unwrap()
+        );
+        b.close_imported(base + offset, 0).unwrap();
+    }
+    a.free(old).unwrap();
+    a.free(new).unwrap();
+    a.verify().unwrap();
+    a.empty_cache().unwrap();
+    b.process_closed_imports();
+    assert_eq!(dev.physical_bytes(), 0);
+}
