@@ -399,7 +399,10 @@ def stats(device=None) -> Dict[str, Any]:
     windows not taken because the stream had not yet finished the work queued before their
     addresses were freed), ``gmlake.reuses_awaited`` (such windows taken after waiting for
     that work, up to a millisecond), ``gmlake.alias_evictions``,
-    ``gmlake.device_total``, ``gmlake.page_size``, ``gmlake.largest_free_block``, and with
+    ``gmlake.device_total``, ``gmlake.page_size`` (the page new memory gets: after a
+    page-size upgrade, the larger one), ``gmlake.page_upgrades`` and ``gmlake.pages_drained``
+    (``page_upgrade_at``: the upgrade done, and the smaller pages given back since),
+    ``gmlake.largest_free_block``, and with
     ``host_timing`` on, the time spent in allocations and frees and the calls timed:
     ``gmlake.host_ns_alloc``, ``gmlake.host_calls_alloc``, ``gmlake.host_ns_free``,
     ``gmlake.host_calls_free``. (No device free memory: reading it can
