@@ -155,6 +155,11 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
             page_upgrade_drains::<T>,
         ),
         c(
+            "allocator/the_page_upgrade_waits_for_captures_and_keeps_live_graph_pools",
+            Only::Any,
+            page_upgrade_and_graph_pools::<T>,
+        ),
+        c(
             "allocator/many_threads_share_one_allocator",
             Only::Any,
             many_threads::<T>,
@@ -1208,6 +1213,57 @@ fn page_upgrade_drains<T: Target>(t: &T) -> CaseResult {
         )?;
     }
     Ok(())
+}
+
+fn page_upgrade_and_graph_pools<T: Target>(t: &T) -> CaseResult {
+    let a = setup2(t, 1 << 30, upgrade_config(16 * MIB))?;
+    let pool = GraphPoolId(7, 1);
+    // A capture past the threshold: no upgrade while it lasts (no events may be recorded).
+    a.begin_allocate_to_pool(pool);
+    let g1 = a
+        .allocate_in(10 * MIB, 0, pool)
+        .step("allocate in the pool")?;
+    let g2 = a
+        .allocate_in(10 * MIB, 0, pool)
+        .step("allocate in the pool")?;
+    let g3 = a
+        .allocate_in(4 * MIB, 0, pool)
+        .step("allocate in the pool")?;
+    ensure(
+        a.page_size() == PAGE && a.stats().page_upgrades == 0,
+        || "upgraded during a capture".into(),
+    )?;
+    a.end_allocate_to_pool(pool);
+    // The pool's blocks are freed (the graph keeps their addresses) before the next allocation
+    // upgrades: the live pool's old pages are not drained.
+    a.free(g1).step("free")?;
+    a.free(g2).step("free")?;
+    let held = reserved(&a);
+    let p = a.allocate(8 * MIB, 0).step("allocate after the capture")?;
+    ensure(
+        a.page_size() == 4 * PAGE && a.stats().page_upgrades == 1,
+        || "no upgrade after the capture".into(),
+    )?;
+    t.complete_all(a.device()).step("complete_all")?;
+    a.free(p).step("free")?;
+    ensure(a.stats().pages_drained == 0, || {
+        format!(
+            "{} pages of a live graph pool drained",
+            a.stats().pages_drained
+        )
+    })?;
+    ensure(reserved(&a) == held + 8 * MIB, || {
+        format!("{} bytes reserved, {held} + 8 MiB expected", reserved(&a))
+    })?;
+    verify(&a)?;
+    // Released, the pool's free pages go back with the rest.
+    a.release_pool(pool).step("release_pool")?;
+    a.free(g3).step("free")?;
+    a.empty_cache().step("empty_cache")?;
+    ensure(reserved(&a) == 0, || {
+        format!("{} bytes reserved after empty_cache", reserved(&a))
+    })?;
+    verify(&a)
 }
 
 fn many_threads<T: Target>(t: &T) -> CaseResult {
