@@ -892,10 +892,11 @@ fn ops_lists_every_allocation_once() {
 }
 
 /// `--upgrade-pages AT:PAGE` (the core's `page_upgrade_at`, `page_upgrade_size`): a job that
-/// never holds AT bytes (decode, 0.34 GB) replays as without it; one that does (stress, 33 GB)
-/// moves to the larger pages and makes far fewer driver calls at nearly the same
-/// utilization; the JSON names the setting. A page that is no power of two is refused,
-/// naming the option.
+/// never holds AT bytes (decode, 0.34 GB) replays as without it; so does one that holds them
+/// but re-maps little (gpt-ckpt, 23 GB: its steps repeat), under the default
+/// `page_upgrade_remap`; one that re-maps (stress, 33 GB) moves to the larger pages, and with
+/// the upgrade at once makes far fewer driver calls at nearly the same utilization; the JSON
+/// names the setting. A page that is no power of two is refused, naming the option.
 #[test]
 fn upgrade_pages_replays_a_page_size_upgrade() {
     let calls = |r: &Value| r["driver_calls"]["total"].as_u64().unwrap();
@@ -907,8 +908,21 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
         small_up["peak_reserved_bytes"]
     );
     assert_eq!(calls(&small), calls(&small_up));
+    let steady = replay_row("gpt-ckpt.pickle", &[]);
+    let steady_up = replay_row("gpt-ckpt.pickle", &["--upgrade-pages", "1GiB:8MiB"]);
+    assert_eq!(
+        steady["peak_reserved_bytes"],
+        steady_up["peak_reserved_bytes"]
+    );
+    assert_eq!(calls(&steady), calls(&steady_up));
+    let at_once = [
+        "--upgrade-pages",
+        "1GiB:8MiB",
+        "--set",
+        "page_upgrade_remap=0",
+    ];
     let large = replay_row("stress.pickle", &[]);
-    let large_up = replay_row("stress.pickle", &["--upgrade-pages", "1GiB:8MiB"]);
+    let large_up = replay_row("stress.pickle", &at_once);
     assert!(
         calls(&large_up) * 2 < calls(&large),
         "{} driver calls with the upgrade, {} without",
@@ -923,10 +937,19 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
     );
     assert_eq!(large_up["config"]["page_upgrade_at"], "1073741824");
     assert_eq!(large_up["config"]["page_upgrade_size"], "8388608");
-    // `--windows` counts the stitches the summary counts.
+    assert_eq!(large_up["config"]["page_upgrade_remap"], "0");
+    // Under the default remap the stress job switches later, once it has re-mapped what it
+    // holds (`--windows` counts the stitches the summary counts).
     let windowed = replay_row(
         "stress.pickle",
         &["--upgrade-pages", "1GiB:8MiB", "--windows", "3"],
+    );
+    assert_eq!(windowed["config"]["page_upgrade_remap"], "1");
+    assert!(
+        util(&windowed) < util(&large),
+        "{} against {}: the upgrade did not happen",
+        util(&windowed),
+        util(&large)
     );
     let in_windows: u64 = windowed["driver_calls_windows"]
         .as_array()

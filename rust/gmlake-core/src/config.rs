@@ -113,6 +113,13 @@ pub struct Config {
     /// `page_upgrade_size`: the page size after the upgrade (default 8 MiB); a power of two
     /// larger than the first page size and a multiple of the device's granularity.
     pub page_upgrade_size: u64,
+    /// `page_upgrade_remap`: once the allocator holds `page_upgrade_at`, the upgrade waits
+    /// until the pages it has mapped again since (stitched or replaced, not reused) add up
+    /// to this multiple of the memory it holds (default 1; 0: at once). A rent-or-buy rule:
+    /// the upgrade costs about one re-creation of what is held, so it is bought once that
+    /// much has been paid in re-mapping. A job with a steady state (no driver calls once
+    /// warm) never pays it and keeps its pages and its utilization.
+    pub page_upgrade_remap: f64,
 }
 
 /// Intervals of `roundup_power2_divisions`, as PyTorch's (1 MiB to 64 GiB).
@@ -140,6 +147,7 @@ impl Default for Config {
             host_timing: false,
             page_upgrade_at: None,
             page_upgrade_size: 8 << 20,
+            page_upgrade_remap: 1.0,
         }
     }
 }
@@ -168,6 +176,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "host_timing",
     "page_upgrade_at",
     "page_upgrade_size",
+    "page_upgrade_remap",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -427,6 +436,15 @@ impl Config {
                 }
                 self.page_upgrade_size = p;
             }
+            "page_upgrade_remap" | "pageupgraderemap" => {
+                let f: f64 = v
+                    .parse()
+                    .map_err(|_| invalid(key, value, "expected a number >= 0"))?;
+                if !(f >= 0.0 && f.is_finite()) {
+                    return Err(invalid(key, value, "expected a finite number >= 0"));
+                }
+                self.page_upgrade_remap = f;
+            }
             "max_aliases" | "maxaliases" => {
                 let f: f64 = v
                     .parse()
@@ -564,6 +582,7 @@ impl Config {
                     .map_or("off".to_string(), |b| b.to_string()),
             ),
             ("page_upgrade_size", self.page_upgrade_size.to_string()),
+            ("page_upgrade_remap", self.page_upgrade_remap.to_string()),
             (
                 "memory_fraction",
                 self.memory_fraction
@@ -662,6 +681,13 @@ mod tests {
         assert!(e.to_string().contains("page_upgrade_size"), "{e}");
         let e = c.set("page_upgrade_at", "soon").unwrap_err();
         assert!(e.to_string().contains("page_upgrade_at"), "{e}");
+        assert_eq!(c.page_upgrade_remap, 1.0);
+        c.set("page_upgrade_remap", "0").unwrap();
+        assert_eq!(c.page_upgrade_remap, 0.0);
+        for bad in ["-1", "inf", "often"] {
+            let e = c.set("page_upgrade_remap", bad).unwrap_err();
+            assert!(e.to_string().contains("page_upgrade_remap"), "{e}");
+        }
         for bad in ["0", "1.5", "-0.5", "nan", "high"] {
             let e = c.set("util_target", bad).unwrap_err();
             assert!(

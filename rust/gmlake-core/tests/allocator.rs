@@ -225,6 +225,7 @@ fn chunks_after_a_page_upgrade_are_whole_larger_pages() {
     let cfg = Config {
         page_upgrade_at: Some(4 * MIB),
         page_upgrade_size: 8 * MIB,
+        page_upgrade_remap: 0.0,
         ..Config::default()
     };
     let (_dev, a) = setup(1024 * MIB + PAGE, cfg);
@@ -246,6 +247,7 @@ fn chunks_after_a_page_upgrade_are_whole_larger_pages() {
 fn the_debug_mode_turns_the_page_upgrade_off() {
     let mut cfg = Config {
         page_upgrade_at: Some(4 * MIB),
+        page_upgrade_remap: 0.0,
         ..Config::default()
     };
     cfg.set("debug", "all").unwrap();

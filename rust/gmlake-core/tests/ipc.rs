@@ -520,6 +520,7 @@ fn blocks_of_both_page_generations_are_shared_at_their_page_size() {
     let cfg = Config {
         page_upgrade_at: Some(8 * MIB),
         page_upgrade_size: 4 * PAGE,
+        page_upgrade_remap: 0.0,
         ..Config::default()
     };
     let a = Allocator::new(dev.clone(), cfg).unwrap();

@@ -51,9 +51,10 @@ fn config() -> impl Strategy<Value = Config> {
         prop::bool::ANY,
         0usize..3,
         prop::bool::ANY,
+        prop::bool::ANY,
     )
         .prop_map(
-            |(level, strategy, small_frag, aliases, target, wait, upgrade, big)| Config {
+            |(level, strategy, small_frag, aliases, target, wait, upgrade, big, at_once)| Config {
                 defrag_level: level,
                 stitch_strategy: [
                     StitchStrategy::BestFit,
@@ -74,6 +75,8 @@ fn config() -> impl Strategy<Value = Config> {
                 // MiB are held (the old generation drains while the sequence runs).
                 page_upgrade_at: [None, Some(4 * PAGE), Some(12 * PAGE)][upgrade],
                 page_upgrade_size: if big { 4 * PAGE } else { 2 * PAGE },
+                // At once, or once stitching has re-mapped what is held.
+                page_upgrade_remap: if at_once { 0.0 } else { 1.0 },
                 ..Config::default()
             },
         )

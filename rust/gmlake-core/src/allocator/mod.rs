@@ -123,6 +123,12 @@ struct State {
     /// A block was freed into an arena of an older generation: its free pages are to go
     /// back to the device (`drain_old`).
     drain_due: bool,
+    /// Pages mapped again so far: stitched, or mapped in place of a replaced alias (not
+    /// reset with the statistics).
+    remapped: u64,
+    /// `remapped` when the allocator first held `page_upgrade_at` bytes: the upgrade's
+    /// rent-or-buy count starts there.
+    remap_mark: Option<u64>,
     total: u64,
     chunk_size: u64,
     limit: Option<u64>,
@@ -273,6 +279,8 @@ impl<D: Device> Allocator<D> {
             gen: 0,
             upgrade,
             drain_due: false,
+            remapped: 0,
+            remap_mark: None,
             total,
             chunk_size,
             limit: None,
@@ -867,10 +875,7 @@ impl State {
         } else {
             PoolKind::Large
         };
-        if self
-            .upgrade
-            .is_some_and(|(at, _)| self.book.bytes >= at && self.captures == 0)
-        {
+        if self.upgrade.is_some() && self.upgrade_due() {
             self.upgrade_pages(dev)?;
         }
         let aid = self.arena_id(ArenaKey {

@@ -437,6 +437,7 @@ impl State {
         }
         self.stats.stitches += 1;
         self.stats.pages_stitched += got.len() as u64;
+        self.remapped += got.len() as u64;
         if (got.len() as u64) < k {
             // Not reached when stealable_for counted right; keep the pages and report.
             self.book.spare.extend(got);
@@ -706,6 +707,7 @@ impl State {
         }
         self.forget_primaries(&gone);
         self.stats.aliases_replaced += gone.len() as u64;
+        self.remapped += gone.len() as u64;
         let n = r.replace.len() as u64;
         let Some(mut pages) =
             self.acquire_pages(dev, n, aid, size, 0, (r.start, r.start + size))?

@@ -24,6 +24,28 @@
 use super::*;
 
 impl State {
+    /// Whether the upgrade is to happen now: the allocator holds `page_upgrade_at` bytes,
+    /// no graph capture is under way, and since it first held them it has mapped again
+    /// (stitched, or replaced aliases of) `page_upgrade_remap` times the memory it holds.
+    /// Rent or buy: a job that keeps re-mapping pays per step what the upgrade costs once
+    /// (about creating and mapping what it holds again), so the upgrade is bought once as
+    /// much has been paid; a job whose steps repeat with no driver call never pays, and
+    /// keeps its small pages. In the replay (docs/design.md) this kept gpt-ckpt, MoE and
+    /// ZeRO offload at their defaults, where an upgrade at once cost them up to 0.6 points
+    /// and added driver calls to drain the first generation.
+    pub(super) fn upgrade_due(&mut self) -> bool {
+        let Some((at, _)) = self.upgrade else {
+            return false;
+        };
+        if self.book.bytes < at || self.captures > 0 {
+            return false;
+        }
+        let mark = *self.remap_mark.get_or_insert(self.remapped);
+        // Pages are of the first size until the upgrade.
+        let paid = (self.remapped - mark) as f64 * self.page as f64;
+        paid >= self.cfg.page_upgrade_remap * self.book.bytes as f64
+    }
+
     /// Moves to the next page generation: new memory gets `page_upgrade_size` pages. The
     /// spare pages and the free pages of the old generation go back to the device. Called
     /// with no graph capture under way (events are recorded).

@@ -155,6 +155,11 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
             page_upgrade_drains::<T>,
         ),
         c(
+            "allocator/the_page_upgrade_waits_until_remapping_paid_for_it",
+            Only::Any,
+            page_upgrade_waits_for_remapping::<T>,
+        ),
+        c(
             "allocator/the_page_upgrade_waits_for_captures_and_keeps_live_graph_pools",
             Only::Any,
             page_upgrade_and_graph_pools::<T>,
@@ -1109,13 +1114,53 @@ fn auto_gc<T: Target>(t: &T) -> CaseResult {
     })
 }
 
-/// `page_upgrade_at` of `at` bytes, to 8 MiB pages.
+/// `page_upgrade_at` of `at` bytes, to 8 MiB pages, at once (`page_upgrade_remap` 0).
 fn upgrade_config(at: u64) -> Config {
     Config {
         page_upgrade_at: Some(at),
         page_upgrade_size: 4 * PAGE,
+        page_upgrade_remap: 0.0,
         ..Config::default()
     }
+}
+
+fn page_upgrade_waits_for_remapping<T: Target>(t: &T) -> CaseResult {
+    // `page_upgrade_remap` 1 (the default): past the threshold, the upgrade comes at the
+    // first allocation after the pages stitched add up to the memory held. A 40 MiB block
+    // allocated and freed on two streams in turn moves its pages at every allocation (no kept
+    // aliases: none is a reuse).
+    let cfg = Config {
+        page_upgrade_at: Some(16 * MIB),
+        page_upgrade_size: 4 * PAGE,
+        max_aliases: 0.0,
+        ..Config::default()
+    };
+    let a = setup2(t, 1 << 30, cfg)?;
+    let _live = checkerboard(&a, 0)?;
+    let mut upgraded_at = None;
+    for i in 0..30u64 {
+        let before = a.stats();
+        let paid = (before.pages_stitched + before.aliases_replaced) * PAGE;
+        let held = reserved(&a);
+        let p = a.allocate(40 * MIB, i % 2).step("allocate")?;
+        let upgraded = a.stats().page_upgrades == 1;
+        ensure(upgraded == (paid >= held), || {
+            format!(
+                "allocation {i}: upgraded {upgraded} with {paid} bytes re-mapped and {held} held"
+            )
+        })?;
+        a.free(p).step("free")?;
+        t.complete_all(a.device()).step("complete_all")?;
+        if upgraded {
+            upgraded_at = Some(i);
+            break;
+        }
+    }
+    ensure(upgraded_at.is_some_and(|i| i > 0), || {
+        format!("upgraded at allocation {upgraded_at:?}")
+    })?;
+    ensure(a.page_size() == 4 * PAGE, || "no 8 MiB pages".into())?;
+    verify(&a)
 }
 
 fn page_upgrade_not_reached<T: Target>(t: &T) -> CaseResult {
