@@ -1,9 +1,10 @@
-//! The page-size upgrade (`page_upgrade_at`, `page_upgrade_size`).
+//! The page-size upgrade (`page_upgrade_at`, `page_upgrade_size`, `page_upgrade_remap`).
 //!
 //! The driver charges per page, so large jobs want large pages; small ones lose utilization
 //! with them (a partly used page is held whole). The job's scale is not known before its
 //! first page, so the allocator learns it: it starts with the first page size, and once it
-//! holds `page_upgrade_at` bytes it moves to the next *generation*. From then on:
+//! holds `page_upgrade_at` bytes and has since mapped again as much as it holds (times
+//! `page_upgrade_remap`: `upgrade_due`) it moves to the next *generation*. From then on:
 //! - new arenas are of the new generation (`ArenaKey::gen`) and map pages of the new size;
 //!   every allocation goes to them;
 //! - arenas of the old generation only free: each block freed there gives its whole free
