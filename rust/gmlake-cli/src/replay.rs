@@ -81,6 +81,17 @@ pub struct OursSummary {
     pub driver_calls: DriverCalls,
     /// The configuration used, as `key:value` pairs.
     pub config: Vec<(&'static str, String)>,
+    /// `page_upgrade_at` set: whether the upgrade happened, the page new memory got at the
+    /// end, and the smaller pages given back since.
+    pub page_upgrade: Option<PageUpgrade>,
+}
+
+/// What the page-size upgrade did in a replay.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct PageUpgrade {
+    pub upgraded: bool,
+    pub page_size: u64,
+    pub pages_drained: u64,
 }
 
 impl SimBackend {
@@ -124,6 +135,15 @@ impl SimBackend {
             pages_stitched: stats.pages_stitched,
             driver_calls: stats.driver_calls,
             config: self.allocator.config().to_pairs(),
+            page_upgrade: self
+                .allocator
+                .config()
+                .page_upgrade_at
+                .map(|_| PageUpgrade {
+                    upgraded: stats.page_upgrades > 0,
+                    page_size: self.allocator.page_size(),
+                    pages_drained: stats.pages_drained,
+                }),
         }
     }
 }

@@ -81,6 +81,11 @@ pub struct Row {
     /// time (busy GPU, second half).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub page_size_suggestion: Option<PageSizeSuggestion>,
+    /// With `page_upgrade_at`: whether the page-size upgrade happened (`upgraded`), the page
+    /// new memory got at the end (`page_size`), the smaller pages given back
+    /// (`pages_drained`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub page_upgrade: Option<crate::replay::PageUpgrade>,
 }
 
 /// One page size tried by `--suggest-page-size`.
@@ -272,6 +277,7 @@ impl Row {
                     .collect()
             }),
             page_size_suggestion: None,
+            page_upgrade: ours.and_then(|o| o.page_upgrade),
         }
     }
 
@@ -320,6 +326,21 @@ impl Row {
                     bytes(s.replayed_page_size),
                     list.join("; ")
                 ),
+            });
+        }
+        if let Some(u) = &self.page_upgrade {
+            notes.push(if u.upgraded {
+                format!(
+                    "{at}: the page-size upgrade happened: new memory got {} pages, and {} \
+                     smaller pages went back to the device",
+                    bytes(u.page_size),
+                    u.pages_drained
+                )
+            } else {
+                format!(
+                    "{at}: no page-size upgrade: the allocator held less than page_upgrade_at, \
+                     or re-mapped less than page_upgrade_remap times what it held"
+                )
             });
         }
         if self.unknown_frees > 0 {
@@ -537,6 +558,34 @@ mod tests {
                 ..DriverCalls::default()
             },
             config: vec![("fragLimit", "0".into())],
+            page_upgrade: None,
+        }
+    }
+
+    #[test]
+    fn the_page_upgrade_is_reported_when_set() {
+        let mut o = ours();
+        let r = Row::new("a.pickle".into(), 0, 1 << 40, &measures(), Some(&o));
+        assert!(r.page_upgrade.is_none());
+        let json: Value = serde_json::from_str(&r.to_json_line()).unwrap();
+        assert!(json.get("page_upgrade").is_none());
+        for upgraded in [false, true] {
+            o.page_upgrade = Some(crate::replay::PageUpgrade {
+                upgraded,
+                page_size: 8 << 20,
+                pages_drained: 12,
+            });
+            let r = Row::new("a.pickle".into(), 0, 1 << 40, &measures(), Some(&o));
+            let json: Value = serde_json::from_str(&r.to_json_line()).unwrap();
+            assert_eq!(json["page_upgrade"]["upgraded"], upgraded);
+            assert_eq!(json["page_upgrade"]["pages_drained"], 12);
+            let notes = r.notes().join("\n");
+            assert_eq!(
+                notes.contains("the page-size upgrade happened: new memory got 8.0 MiB pages"),
+                upgraded,
+                "{notes}"
+            );
+            assert_eq!(notes.contains("no page-size upgrade"), !upgraded, "{notes}");
         }
     }
 

@@ -908,6 +908,8 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
         small_up["peak_reserved_bytes"]
     );
     assert_eq!(calls(&small), calls(&small_up));
+    assert_eq!(small_up["page_upgrade"]["upgraded"], false);
+    assert!(small.get("page_upgrade").is_none());
     let steady = replay_row("gpt-ckpt.pickle", &[]);
     let steady_up = replay_row("gpt-ckpt.pickle", &["--upgrade-pages", "1GiB:8MiB"]);
     assert_eq!(
@@ -915,6 +917,7 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
         steady_up["peak_reserved_bytes"]
     );
     assert_eq!(calls(&steady), calls(&steady_up));
+    assert_eq!(steady_up["page_upgrade"]["upgraded"], false);
     let at_once = [
         "--upgrade-pages",
         "1GiB:8MiB",
@@ -938,6 +941,9 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
     assert_eq!(large_up["config"]["page_upgrade_at"], "1073741824");
     assert_eq!(large_up["config"]["page_upgrade_size"], "8388608");
     assert_eq!(large_up["config"]["page_upgrade_remap"], "0");
+    assert_eq!(large_up["page_upgrade"]["upgraded"], true);
+    assert_eq!(large_up["page_upgrade"]["page_size"], 8 << 20);
+    assert!(large_up["page_upgrade"]["pages_drained"].as_u64().unwrap() > 0);
     // Under the default remap the stress job switches later, once it has re-mapped what it
     // holds (`--windows` counts the stitches the summary counts).
     let windowed = replay_row(
@@ -945,6 +951,7 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
         &["--upgrade-pages", "1GiB:8MiB", "--windows", "3"],
     );
     assert_eq!(windowed["config"]["page_upgrade_remap"], "1");
+    assert_eq!(windowed["page_upgrade"]["upgraded"], true);
     assert!(
         util(&windowed) < util(&large),
         "{} against {}: the upgrade did not happen",
