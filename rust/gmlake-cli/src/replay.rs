@@ -171,7 +171,7 @@ impl Backend for SimBackend {
     }
     fn free_after(&mut self, ptr: DevicePtr, waiter: StreamId) -> Result<(), CoreError> {
         self.allocator.record_stream(ptr, waiter)?;
-        self.free(ptr)
+        self.allocator.free(ptr)
     }
     fn complete(&mut self, waiter: StreamId) {
         self.allocator.device().complete_stream(waiter);

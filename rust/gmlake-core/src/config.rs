@@ -231,6 +231,18 @@ pub fn parse_size(text: &str) -> std::result::Result<u64, String> {
     Ok(bytes.round() as u64)
 }
 
+/// A finite number >= 0 (`max_aliases`, `page_upgrade_remap`).
+fn parse_non_negative(key: &str, value: &str) -> Result<f64> {
+    let f: f64 = value
+        .trim()
+        .parse()
+        .map_err(|_| invalid(key, value, "expected a number >= 0"))?;
+    if !(f >= 0.0 && f.is_finite()) {
+        return Err(invalid(key, value, "expected a finite number >= 0"));
+    }
+    Ok(f)
+}
+
 fn parse_bool(key: &str, value: &str) -> Result<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "on" | "yes" => Ok(true),
@@ -437,23 +449,9 @@ impl Config {
                 self.page_upgrade_size = p;
             }
             "page_upgrade_remap" | "pageupgraderemap" => {
-                let f: f64 = v
-                    .parse()
-                    .map_err(|_| invalid(key, value, "expected a number >= 0"))?;
-                if !(f >= 0.0 && f.is_finite()) {
-                    return Err(invalid(key, value, "expected a finite number >= 0"));
-                }
-                self.page_upgrade_remap = f;
+                self.page_upgrade_remap = parse_non_negative(key, value)?
             }
-            "max_aliases" | "maxaliases" => {
-                let f: f64 = v
-                    .parse()
-                    .map_err(|_| invalid(key, value, "expected a number >= 0"))?;
-                if !(f >= 0.0 && f.is_finite()) {
-                    return Err(invalid(key, value, "expected a finite number >= 0"));
-                }
-                self.max_aliases = f;
-            }
+            "max_aliases" | "maxaliases" => self.max_aliases = parse_non_negative(key, value)?,
             "util_target" | "utiltarget" => {
                 let why = "expected a fraction in (0, 1] or off";
                 self.util_target = match v.to_ascii_lowercase().as_str() {

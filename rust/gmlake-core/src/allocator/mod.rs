@@ -829,12 +829,14 @@ impl State {
         id
     }
 
-    fn live_containing(&self, ptr: u64) -> Option<(u64, u64)> {
+    /// The arena whose virtual chunk holds `ptr`.
+    fn arena_at(&self, ptr: u64) -> Option<u32> {
         let (_, &(end, aid)) = self.chunk_owner.range(..=ptr).next_back()?;
-        if ptr >= end {
-            return None;
-        }
-        self.arenas[aid as usize].live_containing(ptr)
+        (ptr < end).then_some(aid)
+    }
+
+    fn live_containing(&self, ptr: u64) -> Option<(u64, u64)> {
+        self.arenas[self.arena_at(ptr)? as usize].live_containing(ptr)
     }
 
     /// Runs an arena operation and carries its change of free mapped blocks into the stats.
@@ -920,16 +922,10 @@ impl State {
         };
         // The arena whose chunk holds `ptr` (of whichever page generation) if it serves
         // this stream, pool kind and graph pool.
-        let aid = self
-            .chunk_owner
-            .range(..=ptr)
-            .next_back()
-            .filter(|(_, &(end, _))| ptr < end)
-            .map(|(_, &(_, aid))| aid)
-            .filter(|&aid| {
-                let k = self.arenas[aid as usize].key;
-                k.stream == stream && k.kind == kind && k.graph_pool == pool
-            });
+        let aid = self.arena_at(ptr).filter(|&aid| {
+            let k = self.arenas[aid as usize].key;
+            k.stream == stream && k.kind == kind && k.graph_pool == pool
+        });
         let Some(aid) = aid else {
             return Err(Error::InvalidState(format!(
                 "cannot re-create block at {ptr:#x}: no memory of stream {stream:#x} in pool {pool:?} there"

@@ -135,6 +135,21 @@ impl State {
             .collect()
     }
 
+    /// Takes every whole free page of the free mapped block of arena `aid` with the most of
+    /// them (`take`: retired or unmapped there): (first page address, handles); None when
+    /// no free block holds a whole page.
+    pub(super) fn take_largest_free(
+        &mut self,
+        aid: u32,
+        take: Take,
+    ) -> Option<(u64, Vec<PhysHandle>)> {
+        // Each take changes the arena's index of blocks by interior pages.
+        self.arenas[aid as usize].settle();
+        let (_, addr) = self.arenas[aid as usize].largest()?;
+        let (start, handles) = self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, take));
+        (!handles.is_empty()).then_some((start, handles))
+    }
+
     /// empty_cache: after waiting for the device, every alias is unmapped, every free page
     /// goes back to the device and empty virtual chunks are freed.
     pub(super) fn release_cached<D: Device>(&mut self, dev: &D) -> Result<()> {
@@ -159,14 +174,7 @@ impl State {
             }
             let key = self.arenas[aid as usize].key;
             let page = self.arenas[aid as usize].page();
-            loop {
-                // Each take changes the arena's index of blocks by interior pages.
-                self.arenas[aid as usize].settle();
-                let Some((_, addr)) = self.arenas[aid as usize].largest() else {
-                    break;
-                };
-                let (start, handles) =
-                    self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, Take::Unmap));
+            while let Some((start, handles)) = self.take_largest_free(aid, Take::Unmap) {
                 let n = handles.len() as u64;
                 self.move_pages(key.kind, PoolKind::Large, n, page);
                 for (i, h) in handles.into_iter().enumerate() {

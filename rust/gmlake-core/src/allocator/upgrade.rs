@@ -99,17 +99,7 @@ impl State {
                 continue;
             }
             self.flush_arena(aid)?;
-            loop {
-                // Each take changes the arena's index of blocks by interior pages.
-                self.arenas[aid as usize].settle();
-                let Some((_, addr)) = self.arenas[aid as usize].largest() else {
-                    break;
-                };
-                let (start, handles) =
-                    self.with_arena(aid, |a| a.take_pages(addr, u64::MAX, Take::Retire));
-                if handles.is_empty() {
-                    break;
-                }
+            while let Some((start, handles)) = self.take_largest_free(aid, Take::Retire) {
                 self.stats.pages_drained += handles.len() as u64;
                 self.retire_pages(&mut batch, aid, start, handles);
             }
