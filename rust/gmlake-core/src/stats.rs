@@ -200,6 +200,10 @@ macro_rules! for_device_stats {
                 /// old generation given back as their blocks were freed.
                 page_upgrades: u64 = gauge,
                 pages_drained: u64 = accumulated,
+                /// Times the host waited for retired pages' events before creating pages
+                /// past the peak reserved, so that pages given back and pages created are not
+                /// held at once (a drain racing a growth).
+                retired_waits: u64 = accumulated,
                 /// Bytes of kept aliases (virtual ranges still mapped onto pages active
                 /// elsewhere).
                 aliased_bytes: u64 = gauge,

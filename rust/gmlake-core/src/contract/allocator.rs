@@ -155,6 +155,11 @@ pub fn cases<T: Target>() -> Vec<Case<T>> {
             page_upgrade_drains::<T>,
         ),
         c(
+            "allocator/the_page_upgrade_does_not_hold_both_generations_at_once",
+            Only::Any,
+            page_upgrade_drain_keeps_the_peak::<T>,
+        ),
+        c(
             "allocator/the_page_upgrade_waits_until_remapping_paid_for_it",
             Only::Any,
             page_upgrade_waits_for_remapping::<T>,
@@ -1178,6 +1183,50 @@ fn page_upgrade_not_reached<T: Target>(t: &T) -> CaseResult {
             a.page_size(),
             reserved(&a)
         )
+    })?;
+    verify(&a)
+}
+
+fn page_upgrade_drain_keeps_the_peak<T: Target>(t: &T) -> CaseResult {
+    // A job that switches in the middle of a step: its old generation's blocks die while
+    // the new generation grows. The pages drained wait for their events (pending on an
+    // asynchronous device); creating pages past the peak waits for them first, so the two
+    // generations are never held at once for the same bytes.
+    let a = setup2(t, 1 << 30, upgrade_config(40 * MIB))?;
+    let old = (0..10)
+        .map(|_| a.allocate(4 * MIB, 0).step("allocate 4 MiB"))
+        .collect::<Result<Vec<u64>, _>>()?;
+    let big = a.allocate(24 * MIB, 0).step("allocate 24 MiB")?;
+    ensure(a.stats().page_upgrades == 1, || {
+        "no upgrade at the threshold".into()
+    })?;
+    let peak = a.stats().reserved_bytes.aggregate().peak as u64;
+    ensure(peak == 64 * MIB, || {
+        format!("peak reserved {peak}, 64 MiB expected")
+    })?;
+    for p in &old {
+        a.free(*p).step("free")?;
+    }
+    let grown = a.allocate(40 * MIB, 0).step("allocate 40 MiB")?;
+    verify(&a)?;
+    let s = a.stats();
+    let (now, peak) = (
+        s.reserved_bytes.aggregate().current as u64,
+        s.reserved_bytes.aggregate().peak as u64,
+    );
+    ensure(now == 64 * MIB && peak == 64 * MIB, || {
+        format!(
+            "{now} bytes reserved, peak {peak}: 64 MiB of 8 MiB pages expected, the drained \
+             2 MiB pages released before new ones were created ({} waits)",
+            s.retired_waits
+        )
+    })?;
+    for p in [big, grown] {
+        a.free(p).step("free")?;
+    }
+    a.empty_cache().step("empty_cache")?;
+    ensure(reserved(&a) == 0, || {
+        format!("{} bytes reserved", reserved(&a))
     })?;
     verify(&a)
 }
