@@ -685,7 +685,8 @@ fn replay_predicts_the_gpu_driver_calls_of_the_zero3_job() {
         );
         (o - g).abs() / g
     };
-    let (deferred, n) = calls(&[]);
+    // The GPU figures are of 2 MiB pages throughout (before the page-size upgrade's default).
+    let (deferred, n) = calls(&["--set", "page_upgrade_at=off"]);
     assert!(n > 5000, "{n} waiting frees replayed");
     assert!(
         off(&deferred, "total") <= 0.15,
@@ -695,7 +696,7 @@ fn replay_predicts_the_gpu_driver_calls_of_the_zero3_job() {
         off(&deferred, "query_event") <= 0.15,
         "events {deferred} vs GPU {gpu_calls}"
     );
-    let (instant, n) = calls(&["--instant-frees"]);
+    let (instant, n) = calls(&["--instant-frees", "--set", "page_upgrade_at=off"]);
     assert_eq!(n, 0);
     assert!(off(&instant, "total") > 0.3, "instant frees: {instant}");
 }
@@ -901,7 +902,8 @@ fn ops_lists_every_allocation_once() {
 fn upgrade_pages_replays_a_page_size_upgrade() {
     let calls = |r: &Value| r["driver_calls"]["total"].as_u64().unwrap();
     let util = |r: &Value| r["utilization"].as_f64().unwrap();
-    let small = replay_row("decode.pickle", &[]);
+    let off = ["--set", "page_upgrade_at=off"];
+    let small = replay_row("decode.pickle", &off);
     let small_up = replay_row("decode.pickle", &["--upgrade-pages", "1GiB:8MiB"]);
     assert_eq!(
         small["peak_reserved_bytes"],
@@ -910,7 +912,12 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
     assert_eq!(calls(&small), calls(&small_up));
     assert_eq!(small_up["page_upgrade"]["upgraded"], false);
     assert!(small.get("page_upgrade").is_none());
-    let steady = replay_row("gpt-ckpt.pickle", &[]);
+    // The default: at 1 GiB, to twice the page.
+    let default = replay_row("decode.pickle", &[]);
+    assert_eq!(default["config"]["page_upgrade_at"], "1073741824");
+    assert_eq!(default["config"]["page_upgrade_size"], "0");
+    assert_eq!(default["page_upgrade"]["upgraded"], false);
+    let steady = replay_row("gpt-ckpt.pickle", &off);
     let steady_up = replay_row("gpt-ckpt.pickle", &["--upgrade-pages", "1GiB:8MiB"]);
     assert_eq!(
         steady["peak_reserved_bytes"],
@@ -924,7 +931,7 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
         "--set",
         "page_upgrade_remap=0",
     ];
-    let large = replay_row("stress.pickle", &[]);
+    let large = replay_row("stress.pickle", &off);
     let large_up = replay_row("stress.pickle", &at_once);
     assert!(
         calls(&large_up) * 2 < calls(&large),

@@ -102,16 +102,18 @@ pub struct Config {
     /// timeline. Off by default: two clock readings a call (about 40 ns). The core does not
     /// read it.
     pub host_timing: bool,
-    /// `page_upgrade_at`: once the allocator holds this many bytes, later allocations get
-    /// pages of `page_upgrade_size` instead of `page_size`, and the memory held in the
-    /// smaller pages goes back to the device as its blocks are freed (it drains into the
-    /// larger pages). A job that stays below it keeps the small page (the utilization small
-    /// jobs need); a large one pays the large page's few driver calls a step after its first
-    /// steps. None (`off`, the default): one page size throughout. The memory debugging mode
-    /// turns it off.
+    /// `page_upgrade_at`: once the allocator holds this many bytes (and has re-mapped as
+    /// much, `page_upgrade_remap`), later allocations get pages of `page_upgrade_size`
+    /// instead of `page_size`, and the memory held in the smaller pages goes back to the
+    /// device as its blocks are freed (it drains into the larger pages). A job that stays
+    /// below it, or that reaches a steady state with no driver calls, keeps the small page
+    /// (the utilization small jobs need); one that keeps re-mapping pays half the driver calls
+    /// a step after the upgrade. Default 1 GiB (measured on the GPU, docs/benchmarks.md);
+    /// `off`: one page size throughout. The memory debugging mode turns it off.
     pub page_upgrade_at: Option<u64>,
-    /// `page_upgrade_size`: the page size after the upgrade (default 8 MiB); a power of two
-    /// larger than the first page size and a multiple of the device's granularity.
+    /// `page_upgrade_size`: the page size after the upgrade; 0 (the default): twice the
+    /// first page. Otherwise a power of two larger than the first page size and a multiple
+    /// of the device's granularity.
     pub page_upgrade_size: u64,
     /// `page_upgrade_remap`: once the allocator holds `page_upgrade_at`, the upgrade waits
     /// until the pages it has mapped again since (stitched or replaced, not reused) add up
@@ -121,6 +123,11 @@ pub struct Config {
     /// warm) never pays it and keeps its pages and its utilization.
     pub page_upgrade_remap: f64,
 }
+
+/// `page_upgrade_at`'s default: 1 GiB. With the default rent-or-buy rule only jobs that
+/// keep re-mapping upgrade; on the GPU (four H200s, 2026-11-27) those kept 0.976-0.992
+/// utilization and made 2-3x fewer maps a step (docs/benchmarks.md).
+pub const DEFAULT_PAGE_UPGRADE_AT: u64 = 1 << 30;
 
 /// Intervals of `roundup_power2_divisions`, as PyTorch's (1 MiB to 64 GiB).
 pub const ROUNDUP_INTERVALS: usize = 16;
@@ -145,8 +152,8 @@ impl Default for Config {
             util_target: None,
             cross_stream_wait: true,
             host_timing: false,
-            page_upgrade_at: None,
-            page_upgrade_size: 8 << 20,
+            page_upgrade_at: Some(DEFAULT_PAGE_UPGRADE_AT),
+            page_upgrade_size: 0,
             page_upgrade_remap: 1.0,
         }
     }
@@ -443,8 +450,12 @@ impl Config {
             }
             "page_upgrade_size" | "pageupgradesize" => {
                 let p = size(key)?;
-                if !p.is_power_of_two() {
-                    return Err(invalid(key, value, "expected a power of two"));
+                if p != 0 && !p.is_power_of_two() {
+                    return Err(invalid(
+                        key,
+                        value,
+                        "expected 0 (twice the page) or a power of two",
+                    ));
                 }
                 self.page_upgrade_size = p;
             }
@@ -668,11 +679,12 @@ mod tests {
             .contains("nonsense"));
         assert!(c.set("memory_fraction", "1.5").is_err());
         assert!(c.set("page_size", "3MiB").is_err());
-        assert_eq!(c.page_upgrade_at, None);
-        c.set("page_upgrade_at", "1GiB").unwrap();
-        assert_eq!(c.page_upgrade_at, Some(1 << 30));
+        assert_eq!(c.page_upgrade_at, Some(DEFAULT_PAGE_UPGRADE_AT));
+        assert_eq!(c.page_upgrade_size, 0);
         c.set("page_upgrade_at", "off").unwrap();
         assert_eq!(c.page_upgrade_at, None);
+        c.set("page_upgrade_at", "2GiB").unwrap();
+        assert_eq!(c.page_upgrade_at, Some(2 << 30));
         c.set("page_upgrade_size", "16MiB").unwrap();
         assert_eq!(c.page_upgrade_size, 16 << 20);
         let e = c.set("page_upgrade_size", "12MiB").unwrap_err();

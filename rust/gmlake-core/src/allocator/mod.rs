@@ -256,7 +256,10 @@ impl<D: Device> Allocator<D> {
         let upgrade = match config.page_upgrade_at {
             Some(_) if config.debug.enabled() => None,
             Some(at) => {
-                let big = config.page_upgrade_size;
+                let big = match config.page_upgrade_size {
+                    0 => 2 * page,
+                    b => b,
+                };
                 if big <= page || !big.is_multiple_of(gran) {
                     return Err(Error::InvalidConfig {
                         key: "page_upgrade_size".into(),
