@@ -402,6 +402,8 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.device_total``, ``gmlake.page_size`` (the page new memory gets: after a
     page-size upgrade, the larger one), ``gmlake.page_upgrades`` and ``gmlake.pages_drained``
     (``page_upgrade_at``: the upgrade done, and the smaller pages given back since),
+    ``gmlake.retired_waits`` (creations of pages that first waited for pages given back to
+    be released, so that the two are not held at once),
     ``gmlake.largest_free_block``, and with
     ``host_timing`` on, the time spent in allocations and frees and the calls timed:
     ``gmlake.host_ns_alloc``, ``gmlake.host_calls_alloc``, ``gmlake.host_ns_free``,
