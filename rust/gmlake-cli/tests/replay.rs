@@ -895,7 +895,8 @@ fn ops_lists_every_allocation_once() {
 /// `--upgrade-pages AT:PAGE` (the core's `page_upgrade_at`, `page_upgrade_size`): a job that
 /// never holds AT bytes (decode, 0.34 GB) replays as without it; so does one that holds them
 /// but re-maps little (gpt-ckpt, 23 GB: its steps repeat), under the default
-/// `page_upgrade_remap`; one that re-maps (stress, 33 GB) moves to the larger pages, and with
+/// `page_upgrade_remap`; one that re-maps (stress, 33 GB) moves to the larger pages (at once,
+/// or with `page_upgrade_remap` 1; by default it is too short to pay for the switch), and with
 /// the upgrade at once makes far fewer driver calls at nearly the same utilization; the JSON
 /// names the setting. A page that is no power of two is refused, naming the option.
 #[test]
@@ -951,13 +952,29 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
     assert_eq!(large_up["page_upgrade"]["upgraded"], true);
     assert_eq!(large_up["page_upgrade"]["page_size"], 8 << 20);
     assert!(large_up["page_upgrade"]["pages_drained"].as_u64().unwrap() > 0);
-    // Under the default remap the stress job switches later, once it has re-mapped what it
-    // holds (`--windows` counts the stitches the summary counts).
+    // With `page_upgrade_remap` 1 the stress job switches later, once it has re-mapped what
+    // it holds (`--windows` counts the stitches the summary counts); under the default (2,
+    // the switch's cost: giving back and creating again) this short random run never pays
+    // that much, and keeps its pages.
     let windowed = replay_row(
         "stress.pickle",
-        &["--upgrade-pages", "1GiB:8MiB", "--windows", "3"],
+        &[
+            "--upgrade-pages",
+            "1GiB:8MiB",
+            "--set",
+            "page_upgrade_remap=1",
+            "--windows",
+            "3",
+        ],
     );
     assert_eq!(windowed["config"]["page_upgrade_remap"], "1");
+    let by_default = replay_row("stress.pickle", &[]);
+    assert_eq!(by_default["config"]["page_upgrade_remap"], "2");
+    assert_eq!(by_default["page_upgrade"]["upgraded"], false);
+    assert_eq!(
+        by_default["peak_reserved_bytes"],
+        large["peak_reserved_bytes"]
+    );
     assert_eq!(windowed["page_upgrade"]["upgraded"], true);
     assert!(
         util(&windowed) < util(&large),

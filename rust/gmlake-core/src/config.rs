@@ -117,10 +117,12 @@ pub struct Config {
     pub page_upgrade_size: u64,
     /// `page_upgrade_remap`: once the allocator holds `page_upgrade_at`, the upgrade waits
     /// until the pages it has mapped again since (stitched or replaced, not reused) add up
-    /// to this multiple of the memory it holds (default 1; 0: at once). A rent-or-buy rule:
-    /// the upgrade costs about one re-creation of what is held, so it is bought once that
-    /// much has been paid in re-mapping. A job with a steady state (no driver calls once
-    /// warm) never pays it and keeps its pages and its utilization.
+    /// to this multiple of the memory it holds (default 2; 0: at once). A rent-or-buy rule:
+    /// the upgrade gives back what is held (an unmap per mapping, a release per page) and
+    /// creates it again (a create and a map per larger page), about twice what re-mapping
+    /// it once costs, so it is bought once that much has been paid in re-mapping. A job
+    /// with a steady state (no driver calls once warm) never pays it and keeps its pages and
+    /// its utilization; a short run with no steady state does not switch late for nothing.
     pub page_upgrade_remap: f64,
 }
 
@@ -154,7 +156,7 @@ impl Default for Config {
             host_timing: false,
             page_upgrade_at: Some(DEFAULT_PAGE_UPGRADE_AT),
             page_upgrade_size: 0,
-            page_upgrade_remap: 1.0,
+            page_upgrade_remap: 2.0,
         }
     }
 }
@@ -691,7 +693,7 @@ mod tests {
         assert!(e.to_string().contains("page_upgrade_size"), "{e}");
         let e = c.set("page_upgrade_at", "soon").unwrap_err();
         assert!(e.to_string().contains("page_upgrade_at"), "{e}");
-        assert_eq!(c.page_upgrade_remap, 1.0);
+        assert_eq!(c.page_upgrade_remap, 2.0);
         c.set("page_upgrade_remap", "0").unwrap();
         assert_eq!(c.page_upgrade_remap, 0.0);
         for bad in ["-1", "inf", "often"] {

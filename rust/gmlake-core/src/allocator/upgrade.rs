@@ -3,8 +3,8 @@
 //! The driver charges per page, so large jobs want large pages; small ones lose utilization
 //! with them (a partly used page is held whole). The job's scale is not known before its
 //! first page, so the allocator learns it: it starts with the first page size, and once it
-//! holds `page_upgrade_at` bytes and has since mapped again as much as it holds (times
-//! `page_upgrade_remap`: `upgrade_due`) it moves to the next *generation*. From then on:
+//! holds `page_upgrade_at` bytes and has since mapped again `page_upgrade_remap` (2) times
+//! what it holds (`upgrade_due`) it moves to the next *generation*. From then on:
 //! - new arenas are of the new generation (`ArenaKey::gen`) and map pages of the new size;
 //!   every allocation goes to them;
 //! - arenas of the old generation only free: each block freed there gives its whole free
@@ -29,11 +29,13 @@ impl State {
     /// no graph capture is under way, and since it first held them it has mapped again
     /// (stitched, or replaced aliases of) `page_upgrade_remap` times the memory it holds.
     /// Rent or buy: a job that keeps re-mapping pays per step what the upgrade costs once
-    /// (about creating and mapping what it holds again), so the upgrade is bought once as
-    /// much has been paid; a job whose steps repeat with no driver call never pays, and
-    /// keeps its small pages. In the replay (docs/design.md) this kept gpt-ckpt, MoE and
-    /// ZeRO offload at their defaults, where an upgrade at once cost them up to 0.6 points
-    /// and added driver calls to drain the first generation.
+    /// (unmapping and releasing what it holds, then creating and mapping it again: about
+    /// twice re-mapping it), so the upgrade is bought once as much has been paid; a job whose
+    /// steps repeat with no driver call never pays, and keeps its small pages. In the replay
+    /// (docs/design.md) this kept gpt-ckpt, MoE and ZeRO offload at their defaults, where an
+    /// upgrade at once cost them up to 0.6 points and added driver calls to drain the first
+    /// generation; at 2 rather than 1 the short random runs (the stress trace, the random
+    /// mixed pattern) do not switch late and pay for it, and the others switch where they did.
     pub(super) fn upgrade_due(&mut self) -> bool {
         let Some((at, _)) = self.upgrade else {
             return false;

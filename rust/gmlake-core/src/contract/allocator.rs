@@ -1130,8 +1130,9 @@ fn upgrade_config(at: u64) -> Config {
 }
 
 fn page_upgrade_waits_for_remapping<T: Target>(t: &T) -> CaseResult {
-    // `page_upgrade_remap` 1 (the default): past the threshold, the upgrade comes at the
-    // first allocation after the pages stitched add up to the memory held. A 40 MiB block
+    // `page_upgrade_remap` at its default (2): past the threshold, the upgrade comes at the
+    // first allocation after the pages stitched add up to that multiple of the memory held.
+    // A 40 MiB block
     // allocated and freed on two streams in turn moves its pages at every allocation (no kept
     // aliases: none is a reuse).
     let cfg = Config {
@@ -1140,6 +1141,7 @@ fn page_upgrade_waits_for_remapping<T: Target>(t: &T) -> CaseResult {
         max_aliases: 0.0,
         ..Config::default()
     };
+    let remap = cfg.page_upgrade_remap;
     let a = setup2(t, 1 << 30, cfg)?;
     let _live = checkerboard(&a, 0)?;
     let mut upgraded_at = None;
@@ -1149,7 +1151,7 @@ fn page_upgrade_waits_for_remapping<T: Target>(t: &T) -> CaseResult {
         let held = reserved(&a);
         let p = a.allocate(40 * MIB, i % 2).step("allocate")?;
         let upgraded = a.stats().page_upgrades == 1;
-        ensure(upgraded == (paid >= held), || {
+        ensure(upgraded == (paid as f64 >= remap * held as f64), || {
             format!(
                 "allocation {i}: upgraded {upgraded} with {paid} bytes re-mapped and {held} held"
             )
