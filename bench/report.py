@@ -153,6 +153,17 @@ def fnum(x: Optional[float], fmt: str = "{:.3f}") -> str:
     return fmt.format(x)
 
 
+def calls_cell(r: Optional[Dict[str, Any]]) -> str:
+    """A record's median driver calls a step, with the VMM calls among them where recorded:
+    "3708 (128 VMM)"."""
+    if not r:
+        return "—"
+    cell = fnum(r.get("median_driver_calls_per_step"), "{:.0f}")
+    if r.get("median_vmm_calls_per_step") is not None:
+        cell += f" ({r['median_vmm_calls_per_step']:.0f} VMM)"
+    return cell
+
+
 def fsize(b: int) -> str:
     for unit, n in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if b >= n and b % n == 0:
@@ -357,13 +368,14 @@ def workload_lines(res: Results) -> List[str]:
                 fnum(r.get("utilization")) if r else "—",
                 fnum(r.get("median_step_s") * 1e3, "{:.1f} ms") if ok and r.get("median_step_s") else "—",
                 fnum(ratios.get(a), "{:.3f}×"),
-                fnum(r.get("median_driver_calls_per_step"), "{:.0f}") if r else "—",
+                calls_cell(r),
                 mbs,
                 "; ".join(notes),
             ])
         unit = UNITS.get(w, "")
         lines += table(["allocator", "peak active", "peak reserved", "utilization", "median step",
-                        "step vs best of native/expandable", "driver calls per step (median, after warm-up)",
+                        "step vs best of native/expandable",
+                        "driver calls per step (median, after warm-up; of them VMM: map, unmap, access, create, release)",
                         f"largest batch ({unit})" if unit else "largest batch",
                         "notes"], rows)
         lines.append("")
@@ -636,7 +648,7 @@ def summary(res: Results) -> str:
     out.append(f"GPU {e.get('gpu')} driver {e.get('driver')} torch {e.get('torch')} date {e.get('date')}")
     out.append("")
     out.append(f"{'workload':<14}{'allocator':<12}{'peak act':>10}{'peak res':>10}{'util':>7}"
-               f"{'step ms':>9}{'ratio':>7}{'calls/st':>9}{'maxbatch':>9}  notes")
+               f"{'step ms':>9}{'ratio':>7}{'calls/vmm':>10}{'maxbatch':>9}  notes")
     for w in res.workloads():
         ratios = step_ratios(res, w)
         for a in res.allocators():
@@ -663,7 +675,9 @@ def summary(res: Results) -> str:
             ra = fnum(ratios.get(a), "{:.3f}")
             m = str(mb.get("max_batch")) if mb else "—"
             cs = fnum(r.get("median_driver_calls_per_step"), "{:.0f}") if r else "—"
-            out.append(f"{w:<14}{a:<12}{act:>10}{rs:>10}{ut:>7}{st:>9}{ra:>7}{cs:>9}{m:>9}  {note.strip()}")
+            if r and r.get("median_vmm_calls_per_step") is not None:
+                cs += f"/{r['median_vmm_calls_per_step']:.0f}"
+            out.append(f"{w:<14}{a:<12}{act:>10}{rs:>10}{ut:>7}{st:>9}{ra:>7}{cs:>10}{m:>9}  {note.strip()}")
     out.append("")
     fixed = res.of("latency", test="fixed")
     if fixed:

@@ -103,7 +103,7 @@ def main(path: str) -> int:
         ok = [r for r in runs if r.get("ok")]
         timed = step(ok)
         if timed is None:
-            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 7)
+            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 8)
             continue
         notes = {losses_note(ref, r.get("model", {}).get("losses")) for r in ok}
         same = "yes" if notes == {"yes"} else "; ".join(sorted(n for n in notes if n != "yes"))
@@ -118,11 +118,13 @@ def main(path: str) -> int:
                      report.fnum(util), f"{m * 1e3:.0f} ms{spread}",
                      report.fnum(m / best if best else None), same,
                      per_step(ok, "median_driver_calls_per_step"),
+                     per_step(ok, "median_vmm_calls_per_step"),
                      per_step(ok, "median_allocator_ms_per_step")])
     print("\n".join(report.table(
         ["strategy", "allocator", "runs", "peak active", "peak reserved", "utilization",
          "median step (spread)", "vs faster baseline", "losses equal native's",
-         "driver calls a step", "allocator ms a step"], rows)))
+         "driver calls a step", "of them VMM (map, unmap, access, create, release)",
+         "allocator ms a step"], rows)))
     if search:
         print()
         print("\n".join(report.table(

@@ -216,6 +216,8 @@ def test_driver_calls_per_step_and_the_second_native_run_are_reported():
         if calls is not None:
             r["driver_calls_per_step"] = calls
             r["median_driver_calls_per_step"] = sorted(calls)[1]
+            r["vmm_calls_per_step"] = [0, 1, 0]
+            r["median_vmm_calls_per_step"] = 0
         recs.append(r)
     res = report.Results(recs)
     assert res.allocators() == ["native", "expandable", "gmlake", "native2"]
@@ -223,9 +225,13 @@ def test_driver_calls_per_step_and_the_second_native_run_are_reported():
     assert abs(ratios["gmlake"] - 1.01) < 1e-9 and abs(ratios["native2"] - 0.97) < 1e-9
     text = report.summary(res)
     line = next(x for x in text.splitlines() if x.startswith("concat_cache") and " gmlake " in x)
-    assert "calls/st" in text and line.split()[7] == "0", line
+    assert "calls/vmm" in text and line.split()[7] == "0/0", line
     md = "\n".join(report.workload_lines(res))
     assert "driver calls per step" in md and "native2" in md
+    assert "| 0 (0 VMM) |" in md, md
+    # A record from before the VMM split (or a baseline) shows what it has.
+    assert report.calls_cell({"median_driver_calls_per_step": 12}) == "12"
+    assert report.calls_cell(None) == "—"
 
 
 @pytest.mark.parametrize("w", ["concat_cache", "stress"])
@@ -299,6 +305,7 @@ def test_zero3_table_gives_driver_calls_and_allocator_time(tmp_path):
              "peak_active_bytes": 9 * GiB, "peak_reserved_bytes": 10 * GiB, "model": {"losses": [1.0]}}
         if calls is not None:
             r["median_driver_calls_per_step"] = calls
+            r["median_vmm_calls_per_step"] = calls // 20
         if ms is not None:
             r["median_allocator_ms_per_step"] = ms
         return r
@@ -307,12 +314,13 @@ def test_zero3_table_gives_driver_calls_and_allocator_time(tmp_path):
             run("gmlake", 0.6, 3000)]
     lines = _zero3_table(tmp_path, recs)
     assert "driver calls a step" in lines[0] and "allocator ms a step" in lines[0], lines[0]
+    assert "of them VMM" in lines[0], lines[0]
     g = next(x for x in lines if x.startswith("| R | gmlake+host_timing:1"))
-    assert g.rstrip().endswith("| 2,600 | 80.0 |"), g
+    assert g.rstrip().endswith("| 2,600 | 130 | 80.0 |"), g
     plain = next(x for x in lines if x.startswith("| R | gmlake |"))
-    assert plain.rstrip().endswith("| 3,000 | - |"), plain
+    assert plain.rstrip().endswith("| 3,000 | 150 | - |"), plain
     n = next(x for x in lines if x.startswith("| R | native"))
-    assert n.rstrip().endswith("| - | - |"), n
+    assert n.rstrip().endswith("| - | - | - |"), n
 
 
 def test_zero3_table_lists_profiled_steps_per_rank(tmp_path):
@@ -563,3 +571,30 @@ def test_profile_step_on_cpu(tmp_path):
     p = run["profile"]
     assert p["step"] == 1 and p["wall_ms"] > 0 and p["streams"] == {}, p
     assert Path(p["trace"]).exists() and p["trace"].endswith(".step1.trace.json.gz")
+
+
+def test_run_steps_splits_vmm_calls_from_event_calls(monkeypatch):
+    """run_steps records, step by step, the VMM calls among gmlake's driver calls (what gmlake
+    adds to a job; events are what native's allocator makes too)."""
+    sys.path.insert(0, str(BENCH / "workloads"))
+    import types
+
+    import common
+    counts = iter([
+        {"total": 10, "map": 2, "unmap": 1, "query_event": 7},    # before step 1
+        {"total": 30, "map": 6, "unmap": 1, "query_event": 23},   # after step 1: 4 VMM of 20
+        {"total": 30, "map": 6, "unmap": 1, "query_event": 23},   # before step 2
+        {"total": 35, "map": 6, "unmap": 1, "set_access": 0, "record_event": 5,
+         "query_event": 23},                                       # after step 2: 0 of 5
+    ])
+    monkeypatch.setattr(common, "driver_calls_by_kind", lambda: next(counts))
+    monkeypatch.setattr(common, "sync", lambda device: None)
+
+    class Wl:
+        def step(self, batch, shape):
+            pass
+    args = types.SimpleNamespace(fake_oom_above=0, profile_step=-1)
+    calls, kinds, vmm = [], {}, []
+    times = common.run_steps(args, Wl(), 1, [None, None], "cpu", 0, calls, kinds, None, None, vmm)
+    assert len(times) == 2 and calls == [20, 5] and vmm == [4, 0]
+    assert common.vmm_calls(kinds) == 4 and kinds["record_event"] == 5

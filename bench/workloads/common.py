@@ -322,6 +322,17 @@ def driver_calls_by_kind() -> Optional[Dict[str, int]]:
 # The key of driver_calls_by_kind's result that holds the allocator's time in ns.
 HOST_NS = "host_ns"
 
+# The kinds of driver calls that map memory (virtual memory management): what gmlake adds to
+# a job. The others (events: record, query, create, stream waits, synchronizes) are what any
+# allocator makes for streams, native's included (`record_stream`'s events, `process_events`).
+VMM_KINDS = ("create_physical", "release_physical", "reserve_va", "free_va", "map", "unmap",
+             "set_access")
+
+
+def vmm_calls(kinds: Dict[str, int]) -> int:
+    """The VMM calls among `kinds` (driver_calls_by_kind's result, or a difference of two)."""
+    return sum(int(kinds.get(k, 0)) for k in VMM_KINDS)
+
 
 
 def _merged_ms(intervals: List[tuple]) -> float:
@@ -478,10 +489,12 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
               calls_out: Optional[List[int]] = None,
               kinds_out: Optional[Dict[str, int]] = None,
               host_ms_out: Optional[List[float]] = None,
-              profile_out: Optional[Dict[str, Any]] = None) -> List[float]:
+              profile_out: Optional[Dict[str, Any]] = None,
+              vmm_out: Optional[List[int]] = None) -> List[float]:
     """Runs the steps; times the ones from `timed_from`. With `calls_out`, appends gmlake's
     driver calls made by each timed step (read between steps, outside the timing); with
-    `kinds_out`, adds them up by kind over the timed steps; with `host_ms_out`, appends the
+    `kinds_out`, adds them up by kind over the timed steps; with `vmm_out`, appends the VMM
+    calls among them (`VMM_KINDS`) step by step; with `host_ms_out`, appends the
     milliseconds each timed step spent in gmlake's allocations and frees (`host_timing`).
     With `profile_out` and `--profile-step N`, the N-th timed step runs under torch.profiler
     (`profiled_step`), is not timed, and its summary goes to `profile_out`."""
@@ -505,6 +518,8 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
                 after = driver_calls_by_kind()
                 if after is not None:
                     calls_out.append(after["total"] - before["total"])
+                    if vmm_out is not None:
+                        vmm_out.append(vmm_calls(after) - vmm_calls(before))
                     if host_ms_out is not None and HOST_NS in after:
                         host_ms_out.append((after[HOST_NS] - before.get(HOST_NS, 0)) / 1e6)
                     if kinds_out is not None:
@@ -524,8 +539,9 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
         kinds: Dict[str, int] = {}
         host_ms: List[float] = []
         prof: Dict[str, Any] = {}
+        vmm: List[int] = []
         times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls, kinds,
-                          host_ms, prof)
+                          host_ms, prof, vmm)
         if prof:
             rec["profile"] = prof
         if host_ms:
@@ -539,6 +555,11 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
             rec["driver_calls_by_kind"] = kinds
             rec["median_driver_calls_per_step"] = statistics.median(calls)
             rec["mean_driver_calls_per_step"] = statistics.fmean(calls)
+        if vmm:
+            # Of those, the calls that map memory (the rest are stream events, which native's
+            # allocator makes too).
+            rec["vmm_calls_per_step"] = vmm
+            rec["median_vmm_calls_per_step"] = statistics.median(vmm)
         rec["ok"] = True
     except Exception as e:
         rec["ok"] = False
