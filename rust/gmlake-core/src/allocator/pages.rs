@@ -145,7 +145,6 @@ impl State {
         Ok(Some(out))
     }
 
-    /// Creates up to `n` pages, stopping at the limit or when the device is full.
     /// Pages retired by a drain (the page-size upgrade's, garbage collection's) are held
     /// until the work queued before their event is done. Creating pages meanwhile holds both:
     /// on the GPU a job that switched page sizes in the middle of a step grew its new
@@ -154,6 +153,8 @@ impl State {
     /// the peak reserved waits for the retired ranges that hold pages, and releases them
     /// first: the host waits for the device (only while something retired is pending, and
     /// only at a new peak), as native's allocator synchronizes before it frees its cache.
+    /// The peak is the statistic's, so after `reset_peak_memory_stats` any growth with
+    /// something pending waits once: a wait, never a wrong release.
     pub(super) fn release_retired_before_growth<D: Device>(
         &mut self,
         dev: &D,
@@ -185,6 +186,7 @@ impl State {
         self.process_retired(dev, true)
     }
 
+    /// Creates up to `n` pages, stopping at the limit or when the device is full.
     pub(super) fn create_pages<D: Device>(&mut self, dev: &D, n: u64) -> Result<Vec<PhysHandle>> {
         let mut out = Vec::with_capacity(n as usize);
         for _ in 0..n {
