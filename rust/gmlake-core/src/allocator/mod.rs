@@ -880,7 +880,7 @@ impl State {
         } else {
             PoolKind::Large
         };
-        if self.upgrade.is_some() && self.upgrade_due() {
+        if self.upgrade_due() {
             self.upgrade_pages(dev)?;
         }
         let aid = self.arena_id(ArenaKey {

@@ -160,7 +160,7 @@ impl State {
         dev: &D,
         n: u64,
     ) -> Result<()> {
-        if self.captures > 0 || self.retired.iter().all(|b| b.release.is_empty()) {
+        if self.captures > 0 || !self.retired_holds_pages() {
             return Ok(());
         }
         let peak = self.stats.reserved_bytes.aggregate().peak.max(0) as u64;
@@ -169,21 +169,11 @@ impl State {
         }
         // Completed ones first: no wait where the device is done already.
         self.process_retired(dev, false)?;
-        if self.retired.iter().all(|b| b.release.is_empty()) {
+        if !self.retired_holds_pages() {
             return Ok(());
         }
-        // Every pending batch is waited for (those holding no page too: the queue is
-        // processed in order), then all are unmapped and released.
-        let waits: Vec<EventHandle> = self
-            .retired
-            .iter()
-            .flat_map(|b| b.events.iter().copied())
-            .collect();
-        for e in waits {
-            drv!(self, synchronize, dev.wait_event(e))?;
-        }
         self.stats.retired_waits += 1;
-        self.process_retired(dev, true)
+        self.complete_retired(dev)
     }
 
     /// Creates up to `n` pages, stopping at the limit or when the device is full.

@@ -229,7 +229,6 @@ impl State {
             .iter()
             .copied()
             .chain(self.pending.iter().flat_map(|p| p.events.iter().copied()))
-            .chain(self.retired.iter().flat_map(|b| b.events.iter().copied()))
             .collect();
         let mut waited = Ok(());
         for e in waits {
@@ -252,6 +251,26 @@ impl State {
         }
         self.event_pool.extend(freed);
         self.process_pending(dev, true)?;
+        self.complete_retired(dev)
+    }
+
+    /// Whether a retired batch still holds pages to release (a drain's, garbage
+    /// collection's), rather than aliases only.
+    pub(super) fn retired_holds_pages(&self) -> bool {
+        self.retired.iter().any(|b| !b.release.is_empty())
+    }
+
+    /// Waits for the event of every retired batch (the queue is processed in order, so
+    /// those of batches holding aliases only too), then unmaps and releases them all.
+    pub(super) fn complete_retired<D: Device>(&mut self, dev: &D) -> Result<()> {
+        let waits: Vec<EventHandle> = self
+            .retired
+            .iter()
+            .flat_map(|b| b.events.iter().copied())
+            .collect();
+        for e in waits {
+            drv!(self, synchronize, dev.wait_event(e))?;
+        }
         self.process_retired(dev, true)
     }
 

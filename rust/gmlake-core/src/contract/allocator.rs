@@ -232,6 +232,15 @@ fn reserved<D: crate::Device>(a: &Allocator<D>) -> u64 {
     a.stats().reserved_bytes.aggregate().current as u64
 }
 
+/// `empty_cache`, then nothing may be reserved (`after` names what came before, for the
+/// message).
+fn empties<D: crate::Device>(a: &Allocator<D>, after: &str) -> CaseResult {
+    a.empty_cache().step("empty_cache")?;
+    ensure(reserved(a) == 0, || {
+        format!("{} bytes reserved after {after}", reserved(a))
+    })
+}
+
 fn calls<D: crate::Device>(a: &Allocator<D>) -> u64 {
     a.stats().driver_calls.total()
 }
@@ -803,10 +812,7 @@ fn graph_pools_keep_their_pages<T: Target>(t: &T) -> CaseResult {
     )?;
     a.free(g).step("free")?;
     a.release_pool(pool).step("release_pool")?;
-    a.empty_cache().step("empty_cache")?;
-    ensure(reserved(&a) == 0, || {
-        format!("{} bytes reserved after release_pool", reserved(&a))
-    })?;
+    empties(&a, "release_pool")?;
     verify(&a)
 }
 
@@ -1226,10 +1232,7 @@ fn page_upgrade_drain_keeps_the_peak<T: Target>(t: &T) -> CaseResult {
     for p in [big, grown] {
         a.free(p).step("free")?;
     }
-    a.empty_cache().step("empty_cache")?;
-    ensure(reserved(&a) == 0, || {
-        format!("{} bytes reserved", reserved(&a))
-    })?;
+    empties(&a, "freeing everything")?;
     verify(&a)
 }
 
@@ -1295,10 +1298,7 @@ fn page_upgrade_drains<T: Target>(t: &T) -> CaseResult {
     for p in [big, again, side] {
         a.free(p).step("free")?;
     }
-    a.empty_cache().step("empty_cache")?;
-    ensure(reserved(&a) == 0, || {
-        format!("{} bytes reserved", reserved(&a))
-    })?;
+    empties(&a, "freeing everything")?;
     verify(&a)?;
     if let (Some(b), Some(now)) = (before, census(t, a.device())) {
         ensure(
@@ -1355,10 +1355,7 @@ fn page_upgrade_and_graph_pools<T: Target>(t: &T) -> CaseResult {
     // Released, the pool's free pages go back with the rest.
     a.release_pool(pool).step("release_pool")?;
     a.free(g3).step("free")?;
-    a.empty_cache().step("empty_cache")?;
-    ensure(reserved(&a) == 0, || {
-        format!("{} bytes reserved after empty_cache", reserved(&a))
-    })?;
+    empties(&a, "releasing the pool")?;
     verify(&a)
 }
 
@@ -1400,10 +1397,7 @@ fn many_threads<T: Target>(t: &T) -> CaseResult {
     });
     ensure(errors.is_empty(), || errors.join("; "))?;
     verify(&a)?;
-    a.empty_cache().step("empty_cache")?;
-    ensure(reserved(&a) == 0, || {
-        format!("{} bytes reserved", reserved(&a))
-    })?;
+    empties(&a, "the threads' frees")?;
     if let (Some(b), Some(now)) = (before, census(t, a.device())) {
         ensure(
             now.handles == b.handles && now.mappings == b.mappings,
