@@ -11,10 +11,15 @@
 # REPEAT (1: how many times each strategy runs the allocator list, in order, e.g. native
 # expandable gmlake native2 native expandable gmlake native2: the table gives each allocator's
 # median over its runs and their spread, so that the noise can be judged),
-# SEARCH (1: search the largest LR batch; CAP_GIB, default 40), DS_WHEELS (a folder of wheels
+# SEARCH (1: search the largest LR batch; CAP_GIB, default 40; SEARCH_ALLOCATORS, default
+# "native expandable gmlake", e.g. gmlake alone where the others' batches are known: the
+# search depends on memory only, not on time), DS_WHEELS (a folder of wheels
 # to install DeepSpeed and its missing dependencies from, without network; default
 # .artifacts/ds, made by bench/deepspeed/wheels.sh), TRACE_STRATEGIES (strategies whose native
 # run records its allocator trace, for `gmlake replay`: $OUT/zero3/zero3-S-native.pickle.gz),
+# BUDGET_S (0: none; else a run starts only if one as long as the last run of its strategy, or
+# of the search, else the longest so far, ends within BUDGET_S seconds of the start: set it
+# under the machine's time limit so that no run is cut off and the table is still written),
 # EXTRA_ARGS (more arguments for every run of bench/workloads/zero3.py, e.g. "--profile-step 2":
 # a GPU timeline of the third measured step on every rank, beside results.jsonl).
 # Results: $OUT/zero3/results.jsonl.
@@ -35,6 +40,8 @@ STRATEGIES=${STRATEGIES-"N R LR RO LRO"}   # unset: all five; set empty: none
 ALLOCATORS=${ALLOCATORS:-"native expandable gmlake native2"}
 REPEAT=${REPEAT:-1}
 [[ "$REPEAT" =~ ^[1-9][0-9]*$ ]] || { echo "REPEAT must be a positive integer, got '$REPEAT'"; exit 2; }
+BUDGET_S=${BUDGET_S:-0}
+[[ "$BUDGET_S" =~ ^[0-9]+$ ]] || { echo "BUDGET_S must be a whole number of seconds, got '$BUDGET_S'"; exit 2; }
 wheels=${DS_WHEELS:-.artifacts/ds}
 if ! python3 -c "import deepspeed" 2>/dev/null; then
   python3 -m pip install -q --no-index --find-links "$wheels" deepspeed >"$O/install.log" 2>&1 \
@@ -59,27 +66,44 @@ launch() { # allocator, then the workload's arguments
   fi
   env "${env_[@]}" timeout -k 10 "${RUN_TIMEOUT:-300}" "${pre[@]}" --allocator "$alloc" --label "$label" "$@"
 }
+declare -A took=()   # strategy (or "search") -> seconds its last run took
+longest=0
+fits() { # $1: a key of `took`. Whether a run as long as its last one (else the longest so far) ends within BUDGET_S.
+  [ "$BUDGET_S" -gt 0 ] || return 0
+  local est=${took[$1]:-$longest}
+  [ $((SECONDS + est)) -le "$BUDGET_S" ] && return 0
+  echo "   skipped: such a run took ${est} s, and $((BUDGET_S - SECONDS)) s of BUDGET_S=$BUDGET_S are left"
+  return 1
+}
+ran() { # $1: key, $2: start
+  took[$1]=$((SECONDS - $2))
+  [ "${took[$1]}" -gt "$longest" ] && longest=${took[$1]}
+  echo "   took ${took[$1]} s"
+}
 for s in $STRATEGIES; do
   for rep in $(seq 1 "$REPEAT"); do
     for a in $ALLOCATORS; do
       echo "== $s / $a (run $rep of $REPEAT)"
+      fits "$s" || continue
       trace=()   # native's first run records the trace
       [ "$a" = native ] && [ "$rep" = 1 ] && [[ " ${TRACE_STRATEGIES:-} " == *" $s "* ]] \
         && trace=(--record-trace "$O/zero3-$s-native.pickle.gz")
       t0=$SECONDS
       launch "$a" "${trace[@]}" --strategy "$s" --model "$MODEL" --batch "$BATCH" --steps "$STEPS" --tag "zero3-$s" \
         --out "$O/results.jsonl" ${EXTRA_ARGS:-} >>"$O/run.log" 2>&1 || echo "   exited with $?"
-      echo "   took $((SECONDS - t0)) s"
+      ran "$s" "$t0"
     done
   done
 done
 if [ "${SEARCH:-1}" = 1 ]; then
-  for a in native expandable gmlake; do
+  for a in ${SEARCH_ALLOCATORS:-native expandable gmlake}; do
     echo "== largest LR batch under ${CAP_GIB:-40} GiB / $a"
+    [ -n "${took[search]:-}" ] || took[search]=$((longest + ${SEARCH_TIME:-150}))
+    fits search || continue
     t0=$SECONDS
     launch "$a" --strategy LR --model "$MODEL" --batch "$BATCH" --no-run --search --cap-gib "${CAP_GIB:-40}" \
       --search-time "${SEARCH_TIME:-150}" --tag zero3-LR-search --out "$O/results.jsonl" >>"$O/run.log" 2>&1 || echo "   exited with $?"
-    echo "   took $((SECONDS - t0)) s"
+    ran search "$t0"
   done
 fi
 python3 bench/deepspeed/table.py "$O/results.jsonl" | tee "$O/table.md"
