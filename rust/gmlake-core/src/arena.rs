@@ -24,6 +24,7 @@
 use crate::blockmap::{BlockMap, BlockRange};
 use crate::deferred::DeferredSet;
 use crate::device::PhysHandle;
+use crate::fitindex::FitIndex;
 use crate::keys::ArenaKey;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -183,7 +184,7 @@ pub(crate) struct Arena {
     chunks: Vec<(u64, u64)>,
     blocks: BlockMap,
     /// FreeMapped blocks by (size, addr): the hit path.
-    free_mapped: BTreeSet<(u64, u64)>,
+    free_mapped: FitIndex,
     /// FreeMapped blocks with interior pages, by (interior pages, addr): read only by misses
     /// that stitch and by memory returned, so its changes are deferred to then
     /// ([`Arena::settle`]).
@@ -233,7 +234,7 @@ impl Arena {
             track_age,
             chunks: Vec::new(),
             blocks: BlockMap::default(),
-            free_mapped: BTreeSet::new(),
+            free_mapped: FitIndex::default(),
             stealable: DeferredSet::new(),
             by_age: BTreeSet::new(),
             unmapped: BTreeSet::new(),
@@ -560,7 +561,7 @@ impl Arena {
 
     /// The best-fitting free mapped block for `size` bytes (no driver call needed).
     pub fn find_hit(&self, size: u64, reuse_limit: f64) -> Option<u64> {
-        let &(bsize, addr) = self.free_mapped.range((size, 0)..).next()?;
+        let (bsize, addr) = self.free_mapped.first_at_least(size)?;
         (reuse_limit.is_infinite() || bsize as f64 <= size as f64 * reuse_limit).then_some(addr)
     }
 
@@ -1119,7 +1120,7 @@ impl Arena {
     }
 
     pub fn largest_free_mapped(&self) -> u64 {
-        self.free_mapped.iter().next_back().map_or(0, |e| e.0)
+        self.free_mapped.last().map_or(0, |e| e.0)
     }
 
     /// The block containing `ptr`: (start, block).

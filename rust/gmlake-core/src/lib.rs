@@ -19,6 +19,7 @@ pub mod debug;
 mod deferred;
 pub mod device;
 pub mod error;
+mod fitindex;
 pub mod ipc;
 mod keys;
 pub mod sim;
