@@ -39,7 +39,7 @@ def test_a_run_that_would_pass_the_budget_is_skipped(tmp_path):
     # A's runs take no time; B's first run (estimated as the longest so far: 0 s) starts and
     # takes 2 s, so B's second would end past 3 s: skipped.
     assert len(runs) == 3, r.stdout
-    assert r.stdout.count("skipped: such a run took 2 s") == 1, r.stdout
+    assert r.stdout.count("skipped: such a run took") == 1, r.stdout
     assert "table of" in r.stdout
 
 
