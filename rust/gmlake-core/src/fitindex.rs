@@ -26,31 +26,90 @@ const CLASSES: u64 = 1 << 17;
 const L0_WORDS: usize = (CLASSES / 64) as usize;
 const L1_WORDS: usize = L0_WORDS / 64;
 
+/// Entries a class keeps in a sorted vector; more go to an ordered set, so that a class
+/// holding thousands of blocks of one size (tensors freed every other one) still changes in
+/// O(log n): a vector of 20k entries cost 7.8 µs a change against the set's 0.14.
+const FEW: usize = 8;
+
 /// The entries of one class, sorted: most classes hold one block, kept inline.
 enum Bucket {
     One((u64, u64)),
-    Many(Vec<(u64, u64)>),
+    Few(Vec<(u64, u64)>),
+    Many(BTreeSet<(u64, u64)>),
 }
 
 impl Bucket {
     fn first_at_least(&self, size: u64) -> Option<(u64, u64)> {
         match self {
             Bucket::One(e) => (e.0 >= size).then_some(*e),
-            Bucket::Many(v) => v.get(v.partition_point(|e| e.0 < size)).copied(),
+            Bucket::Few(v) => v.get(v.partition_point(|e| e.0 < size)).copied(),
+            Bucket::Many(s) => s.range((size, 0)..).next().copied(),
         }
     }
 
     fn last(&self) -> (u64, u64) {
         match self {
             Bucket::One(e) => *e,
-            Bucket::Many(v) => *v.last().expect("a bucket is never empty"),
+            Bucket::Few(v) => *v.last().expect("a bucket is never empty"),
+            Bucket::Many(s) => *s.last().expect("a bucket is never empty"),
         }
     }
 
     fn contains(&self, e: &(u64, u64)) -> bool {
         match self {
             Bucket::One(x) => x == e,
-            Bucket::Many(v) => v.binary_search(e).is_ok(),
+            Bucket::Few(v) => v.binary_search(e).is_ok(),
+            Bucket::Many(s) => s.contains(e),
+        }
+    }
+
+    /// Adds `e`; false if it was there.
+    fn insert(&mut self, e: (u64, u64)) -> bool {
+        match self {
+            Bucket::One(x) if *x == e => false,
+            Bucket::One(x) => {
+                let x = *x;
+                *self = Bucket::Few(if x < e { vec![x, e] } else { vec![e, x] });
+                true
+            }
+            Bucket::Few(v) => match v.binary_search(&e) {
+                Ok(_) => false,
+                Err(_) if v.len() == FEW => {
+                    let mut s: BTreeSet<(u64, u64)> = v.drain(..).collect();
+                    s.insert(e);
+                    *self = Bucket::Many(s);
+                    true
+                }
+                Err(i) => {
+                    v.insert(i, e);
+                    true
+                }
+            },
+            Bucket::Many(s) => s.insert(e),
+        }
+    }
+
+    /// Removes `e`: (whether it was there, whether the bucket is now empty).
+    fn remove(&mut self, e: &(u64, u64)) -> (bool, bool) {
+        match self {
+            Bucket::One(x) => (*x == *e, *x == *e),
+            Bucket::Few(v) => match v.binary_search(e) {
+                Ok(i) => {
+                    v.remove(i);
+                    if v.len() == 1 {
+                        *self = Bucket::One(v[0]);
+                    }
+                    (true, false)
+                }
+                Err(_) => (false, false),
+            },
+            Bucket::Many(s) => {
+                let had = s.remove(e);
+                if s.len() <= FEW / 2 {
+                    *self = Bucket::Few(s.iter().copied().collect());
+                }
+                (had, false)
+            }
         }
     }
 }
@@ -86,21 +145,7 @@ impl FitIndex {
                 self.set_bit(c);
                 true
             }
-            std::collections::hash_map::Entry::Occupied(mut o) => match o.get_mut() {
-                Bucket::One(x) if *x == e => false,
-                Bucket::One(x) => {
-                    let x = *x;
-                    *o.get_mut() = Bucket::Many(if x < e { vec![x, e] } else { vec![e, x] });
-                    true
-                }
-                Bucket::Many(v) => match v.binary_search(&e) {
-                    Ok(_) => false,
-                    Err(i) => {
-                        v.insert(i, e);
-                        true
-                    }
-                },
-            },
+            std::collections::hash_map::Entry::Occupied(mut o) => o.get_mut().insert(e),
         };
         self.len += new as usize;
         new
@@ -117,20 +162,7 @@ impl FitIndex {
         let std::collections::hash_map::Entry::Occupied(mut o) = self.buckets.entry(c) else {
             return false;
         };
-        let (had, empty) = match o.get_mut() {
-            Bucket::One(x) => (*x == *e, *x == *e),
-            Bucket::Many(v) => match v.binary_search(e) {
-                Ok(i) => {
-                    v.remove(i);
-                    if v.len() == 1 {
-                        let only = v[0];
-                        *o.get_mut() = Bucket::One(only);
-                    }
-                    (true, false)
-                }
-                Err(_) => (false, false),
-            },
-        };
+        let (had, empty) = o.get_mut().remove(e);
         if empty {
             o.remove();
             self.clear_bit(c);
@@ -286,12 +318,32 @@ mod tests {
         assert_eq!(f.first_at_least(top + 1), Some((CLASSES << SHIFT, 3)));
     }
 
+    #[test]
+    fn a_class_of_many_blocks_keeps_them_in_order() {
+        // Past `FEW` a class's entries move to an ordered set, and back below half of it.
+        let mut f = FitIndex::default();
+        for a in (0..1000u64).rev() {
+            assert!(f.insert((4096, a * 8192)));
+        }
+        assert!(f.contains(&(4096, 999 * 8192)) && !f.insert((4096, 0)));
+        for a in 0..996u64 {
+            assert_eq!(f.first_at_least(4000), Some((4096, a * 8192)));
+            assert!(f.remove(&(4096, a * 8192)));
+        }
+        assert_eq!(f.len(), 4);
+        assert_eq!(f.last(), Some((4096, 999 * 8192)));
+        for a in 996..1000u64 {
+            assert!(f.remove(&(4096, a * 8192)));
+        }
+        assert_eq!((f.len(), f.first_at_least(0), f.last()), (0, None, None));
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         /// Any sequence of inserts and removes answers as a `BTreeSet<(size, addr)>` does.
         #[test]
         fn agrees_with_an_ordered_set(
-            ops in prop::collection::vec((any::<bool>(), 0u64..4, 0u64..40, 0u64..8), 1..400),
+            ops in prop::collection::vec((any::<bool>(), 0u64..4, 0u64..6, 0u64..24), 1..400),
         ) {
             let mut f = FitIndex::default();
             let mut s = BTreeSet::new();
