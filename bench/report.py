@@ -153,14 +153,14 @@ def fnum(x: Optional[float], fmt: str = "{:.3f}") -> str:
     return fmt.format(x)
 
 
-def calls_cell(r: Optional[Dict[str, Any]]) -> str:
+def calls_cell(r: Optional[Dict[str, Any]], vmm_fmt: str = " ({:.0f} VMM)") -> str:
     """A record's median driver calls a step, with the VMM calls among them where recorded:
-    "3708 (128 VMM)"."""
+    "3708 (128 VMM)" (the summary's `vmm_fmt` "/{:.0f}": "3708/128")."""
     if not r:
         return "—"
     cell = fnum(r.get("median_driver_calls_per_step"), "{:.0f}")
     if r.get("median_vmm_calls_per_step") is not None:
-        cell += f" ({r['median_vmm_calls_per_step']:.0f} VMM)"
+        cell += vmm_fmt.format(r["median_vmm_calls_per_step"])
     return cell
 
 
@@ -674,9 +674,7 @@ def summary(res: Results) -> str:
             st = fnum((r.get("median_step_s") or 0) * 1e3, "{:.1f}") if r and r.get("ok") else "—"
             ra = fnum(ratios.get(a), "{:.3f}")
             m = str(mb.get("max_batch")) if mb else "—"
-            cs = fnum(r.get("median_driver_calls_per_step"), "{:.0f}") if r else "—"
-            if r and r.get("median_vmm_calls_per_step") is not None:
-                cs += f"/{r['median_vmm_calls_per_step']:.0f}"
+            cs = calls_cell(r, "/{:.0f}")
             out.append(f"{w:<14}{a:<12}{act:>10}{rs:>10}{ut:>7}{st:>9}{ra:>7}{cs:>10}{m:>9}  {note.strip()}")
     out.append("")
     fixed = res.of("latency", test="fixed")

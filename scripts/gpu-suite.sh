@@ -144,13 +144,11 @@ files=(tests/gpu/test_install.py tests/gpu/test_memory.py tests/gpu/test_graphs.
 # (parts 2 and 3 skip the contract suite). GMLAKE_SUITE_QUICK=1 runs each mixed-dtype IPC loop
 # 5 times instead of 10-50 (GMLAKE_MIXED_RUNS, when set, wins): the loops are for a hang
 # that shows up once in tens of sends, so a release check runs them in full.
-if [ -n "${GMLAKE_SUITE_PART:-}" ]; then
-  case "$GMLAKE_SUITE_PART" in
-    1) files=("${files[@]:0:6}") ;;
-    2) files=("${files[@]:6:2}") ;;
-    3) files=("${files[@]:8}") ;;
-  esac
-fi
+case "${GMLAKE_SUITE_PART:-}" in  # checked at the contract suite above
+  1) files=("${files[@]:0:6}") ;;
+  2) files=("${files[@]:6:2}") ;;
+  3) files=("${files[@]:8}") ;;
+esac
 if [ -n "${GMLAKE_SUITE_FILES:-}" ]; then read -r -a files <<<"$GMLAKE_SUITE_FILES"; fi
 if [ "${GMLAKE_SUITE_QUICK:-0}" = 1 ]; then export GMLAKE_MIXED_RUNS="${GMLAKE_MIXED_RUNS:-5}"; fi
 echo "files: ${files[*]}"

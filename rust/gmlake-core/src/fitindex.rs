@@ -7,8 +7,9 @@
 //! a cache miss a node. Here sizes below `CLASSES << SHIFT` (64 MiB) are kept in buckets by
 //! size class (512 bytes, the arena's block granularity, so that a class holds one size), in
 //! a hash map, with a three-level bitmap of the classes that hold a block: a change costs a
-//! hash probe and a few bit operations, and the smallest class at or above a size is found
-//! with at most three word scans. Larger blocks, few, stay in an ordered set.
+//! hash probe and a few bit operations (plus a descent of the class's own ordered set when it
+//! holds more than `FEW` blocks), and the smallest class at or above a size is found with at
+//! most three word scans. Larger blocks, few, stay in an ordered set.
 //!
 //! Invariant: a class's bit is set in `l0` iff its bucket exists (and then is not empty); a
 //! bit of `l1` is set iff its `l0` word is not zero, a bit of `l2` iff its `l1` word is not
