@@ -21,6 +21,7 @@
 //!
 //! Consequently every maximal run of mapped blocks starts and ends on page boundaries.
 
+use crate::aliasmap::AliasMap;
 use crate::blockmap::{BlockMap, BlockRange};
 use crate::deferred::DeferredSet;
 use crate::device::PhysHandle;
@@ -199,8 +200,9 @@ pub(crate) struct Arena {
     unmapped_at: rustc_hash::FxHashSet<u64>,
     /// Active pages: va -> page. Private: the allocator reads it through accessors.
     pages: BTreeMap<u64, Page>,
-    /// Aliases kept mapped in `Lent` blocks: va -> handle (active elsewhere, or spare).
-    lent: BTreeMap<u64, PhysHandle>,
+    /// Aliases kept mapped in `Lent` blocks: va -> handle (active elsewhere, or spare), and
+    /// handle -> its aliases here.
+    lent: AliasMap,
     /// Lent blocks by (since, addr): oldest first, for eviction.
     lent_age: BTreeSet<(u64, u64)>,
     /// Lent blocks by address, for the reuse scan.
@@ -240,7 +242,7 @@ impl Arena {
             unmapped: BTreeSet::new(),
             unmapped_at: rustc_hash::FxHashSet::default(),
             pages: BTreeMap::new(),
-            lent: BTreeMap::new(),
+            lent: AliasMap::default(),
             lent_age: BTreeSet::new(),
             lent_addrs: BTreeSet::new(),
             quick: rustc_hash::FxHashMap::default(),
@@ -987,13 +989,24 @@ impl Arena {
         self.lent.range(lo..hi).map(|(&v, &h)| (v, h))
     }
 
-    /// Every (va, handle) alias whose handle satisfies `pred`.
+    /// Every (va, handle) alias whose handle satisfies `pred`. O(aliases).
     pub fn lent_matching(&self, pred: impl Fn(PhysHandle) -> bool) -> Vec<(u64, PhysHandle)> {
         self.lent
             .iter()
             .filter(|(_, &h)| pred(h))
             .map(|(&v, &h)| (v, h))
             .collect()
+    }
+
+    /// The aliases here of the pages in `handles` (va, handle), in no particular order.
+    /// O(handles).
+    pub fn lent_of<'a>(
+        &'a self,
+        handles: impl IntoIterator<Item = &'a PhysHandle> + 'a,
+    ) -> impl Iterator<Item = (u64, PhysHandle)> + 'a {
+        handles
+            .into_iter()
+            .flat_map(|&h| self.lent.of(h).iter().map(move |&va| (va, h)))
     }
 
     /// The handles of the interior pages of this arena's free mapped blocks (the pages a
@@ -1048,7 +1061,7 @@ impl Arena {
                 self.refresh_ext(addr + b.size);
             }
         }
-        std::mem::take(&mut self.lent).into_iter().collect()
+        self.lent.take_all()
     }
 
     /// Active pages in [lo, hi): (va, page).
@@ -1264,6 +1277,7 @@ impl Arena {
                 self.unmapped_at.len()
             ));
         }
+        self.lent.check()?;
         if lent_pages != self.lent.len() as u64
             || lent_blocks != self.lent_age.len()
             || lent_blocks != self.lent_addrs.len()

@@ -9,6 +9,7 @@
 //! This crate knows nothing of CUDA: it drives a [`Device`]. [`SimDevice`] simulates one on
 //! the host, enforcing the driver's rules, for tests and trace replay.
 
+mod aliasmap;
 pub mod allocator;
 mod arena;
 mod blockmap;

@@ -59,9 +59,16 @@ impl State {
         if batch.release.is_empty() {
             return;
         }
+        // A set: a page listed twice must not have its aliases retired twice.
         let doomed: FxHashSet<PhysHandle> = batch.release.iter().copied().collect();
         for aid in 0..self.arenas.len() as u32 {
-            let aliases = self.arenas[aid as usize].lent_matching(|h| doomed.contains(&h));
+            let a = &self.arenas[aid as usize];
+            if a.lent_pages() == 0 {
+                continue;
+            }
+            // In address order, as the ranges to unmap always were.
+            let mut aliases: Vec<(u64, PhysHandle)> = a.lent_of(&doomed).collect();
+            aliases.sort_unstable();
             for (va, _) in aliases {
                 self.with_arena(aid, |a| a.retire_lent(va, 1));
                 batch.ranges.push((aid, va, 1));
