@@ -21,7 +21,8 @@ import report  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
-WORKLOADS = ["llm_lora", "fsdp_offload", "moe", "conv", "kv_infer", "concat_cache", "stress", "zero3"]
+WORKLOADS = ["llm_lora", "fsdp_offload", "moe", "conv", "kv_infer", "concat_cache", "stress", "zero3",
+             "kernels"]
 
 
 def synthetic(gmlake_util=0.99, gmlake_ratio=1.005, fail_kv_expandable=False):
@@ -234,9 +235,10 @@ def test_driver_calls_per_step_and_the_second_native_run_are_reported():
     assert report.calls_cell(None) == "—"
 
 
-@pytest.mark.parametrize("w", ["concat_cache", "stress"])
+@pytest.mark.parametrize("w", ["concat_cache", "stress", "kernels"])
 def test_new_workloads_run_on_cpu(tmp_path, w):
-    """The issue-12 workloads' code end to end on the CPU (skipped without torch)."""
+    """The issue-12 workloads' and the kernels probe's code end to end on the CPU (skipped
+    without torch)."""
     pytest.importorskip("torch")
     out = tmp_path / "r.jsonl"
     r = subprocess.run([sys.executable, str(BENCH / "workloads" / f"{w}.py"), "--device", "cpu", "--tiny",
@@ -245,6 +247,9 @@ def test_new_workloads_run_on_cpu(tmp_path, w):
     assert r.returncode == 0, r.stderr
     run = next(x for x in map(json.loads, out.read_text().splitlines()) if x["kind"] == "workload")
     assert run["ok"] and len(run["step_times_s"]) == 3
+    if w == "kernels":
+        # --tiny: a working set of 40 MiB, 4 of them read at random, the rest in 1 MiB chunks.
+        assert run["model"]["chunks"] == 36, run["model"]
 
 
 def _zero3_table(tmp_path, recs):
