@@ -78,6 +78,11 @@ impl AliasMap {
         self.by_handle.get(&h).map_or(&[], Vec::as_slice)
     }
 
+    /// The pages with an alias here, each once.
+    pub fn handles(&self) -> impl Iterator<Item = PhysHandle> + '_ {
+        self.by_handle.keys().copied()
+    }
+
     /// Every alias, in address order; the map is left empty.
     pub fn take_all(&mut self) -> Vec<(u64, PhysHandle)> {
         self.by_handle.clear();
@@ -133,6 +138,9 @@ mod tests {
         m.check().unwrap();
         assert_eq!(m.of(h(1)), &[0x1000]);
         assert_eq!(m.of(h(2)).len(), 2);
+        let mut pages: Vec<PhysHandle> = m.handles().collect();
+        pages.sort_unstable();
+        assert_eq!(pages, vec![h(1), h(2)], "each page once");
         assert_eq!(m.remove(&0x1000), Some(h(1)));
         assert_eq!(m.remove(&0x1000), None);
         assert!(m.of(h(1)).is_empty());

@@ -1009,6 +1009,16 @@ impl Arena {
             .flat_map(|&h| self.lent.of(h).iter().map(move |&va| (va, h)))
     }
 
+    /// Whether a lent block here maps `h`. O(1).
+    pub fn aliases(&self, h: PhysHandle) -> bool {
+        !self.lent.of(h).is_empty()
+    }
+
+    /// The pages that lent blocks here map, each once. O(those pages).
+    pub fn aliased_handles(&self) -> impl Iterator<Item = PhysHandle> + '_ {
+        self.lent.handles()
+    }
+
     /// The handles of the interior pages of this arena's free mapped blocks (the pages a
     /// stitch or a reuse may take from here), added to `out`. O(those pages).
     pub fn free_interior_handles(&self, out: &mut rustc_hash::FxHashSet<PhysHandle>) {

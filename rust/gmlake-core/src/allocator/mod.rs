@@ -1054,9 +1054,8 @@ impl State {
         // Declaring OOM: pages created on the way go back to the device (a spare that a lent
         // block still maps stays spare until empty_cache unmaps the alias).
         if !self.book.spare.is_empty() {
-            let aliased = self.aliased_handles();
             for h in std::mem::take(&mut self.book.spare) {
-                if aliased.contains(&h) {
+                if self.is_aliased(h) {
                     self.book.spare.push(h);
                 } else {
                     self.release_page(dev, h)?;

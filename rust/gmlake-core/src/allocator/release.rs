@@ -133,13 +133,9 @@ impl State {
         self.record_retired(dev, batch)
     }
 
-    /// Handles that some lent block still maps (O(aliases); for rare paths).
-    pub(super) fn aliased_handles(&self) -> FxHashSet<PhysHandle> {
-        self.arenas
-            .iter()
-            .flat_map(|a| a.lent_matching(|_| true))
-            .map(|(_, h)| h)
-            .collect()
+    /// Whether some lent block still maps `h`. O(arenas).
+    pub(super) fn is_aliased(&self, h: PhysHandle) -> bool {
+        self.arenas.iter().any(|a| a.aliases(h))
     }
 
     /// Takes every whole free page of the free mapped block of arena `aid` with the most of

@@ -169,8 +169,9 @@ impl State {
             .chain(self.retired.iter().flat_map(|b| b.release.iter().copied()))
             .collect();
         if let Some(h) = self
-            .aliased_handles()
-            .into_iter()
+            .arenas
+            .iter()
+            .flat_map(Arena::aliased_handles)
             .find(|h| !created.contains(h))
         {
             return Err(format!("an alias maps page {h:?}, which is not held"));
