@@ -562,6 +562,15 @@ fn replay_predicts_the_gpu_for_the_four_rank_zero3_job() {
     replay_predicts_the_gpu("zero3-r-4gpu-rank0");
 }
 
+/// Full fine-tuning with recomputation, rank 0 of two (H200s; issue 17): the job where gmlake
+/// still re-stitches every step (about 1,300 VMM calls a step on the GPU, 1.10x native's step
+/// time); the replay predicts the GPU's reserved memory, so that this can be worked on
+/// without a GPU.
+#[test]
+fn replay_predicts_the_gpu_for_the_two_rank_zero3_r_job() {
+    replay_predicts_the_gpu("zero3-r-2gpu-rank0");
+}
+
 /// FSDP2 on two GPUs (issue 13): the all-gather stream always has work queued, so the fences
 /// the compute stream records there are pending when it misses; `cross_stream_wait` (on by
 /// default) takes those pages behind a device-side wait. The GPU then reserved 2.70 GB
