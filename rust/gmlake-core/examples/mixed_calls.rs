@@ -118,6 +118,7 @@ fn main() {
     let host_ns = t0.elapsed().as_nanos() as f64 / (2.0 * ops as f64);
     let c1 = a.device().calls();
     let st = a.stats();
+    stats_cost(&a, &mut live, &pairs);
     let (_, busy_ms) = gmlake_core::cost::estimate_ms(&gmlake_core::cost::difference(&c1, &c0));
     println!(
         "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0}, calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}, core host ns/op {host_ns:.0} (simulated device, utilization sampled every step)",
@@ -135,6 +136,34 @@ fn main() {
         st.alias_evictions,
     );
     a.verify().unwrap();
+}
+
+/// `MIXED_STATS=N`: N more pairs of the sequence (from its start), each followed by a timed
+/// `stats()` (what `torch.cuda.memory_allocated()` reaches), as a job that polls its memory
+/// per operation would; prints the mean and the largest time of those calls.
+fn stats_cost(a: &Allocator<SimDevice>, live: &mut [u64], pairs: &[(usize, u64)]) {
+    let Some(n) = std::env::var("MIXED_STATS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+    else {
+        return;
+    };
+    let (mut total, mut max) = (0u128, 0u128);
+    for &(j, s) in pairs.iter().cycle().take(n) {
+        a.free(live[j]).unwrap();
+        live[j] = a.allocate(s, 0).unwrap();
+        let t = std::time::Instant::now();
+        std::hint::black_box(a.stats());
+        let ns = t.elapsed().as_nanos();
+        total += ns;
+        max = max.max(ns);
+    }
+    println!(
+        "stats() after each of {n} pairs: mean {:.1} µs, max {:.1} µs ({} live blocks)",
+        total as f64 / n.max(1) as f64 / 1e3,
+        max as f64 / 1e3,
+        live.len()
+    );
 }
 
 /// Fill sizes, warm-up pair count, and the pairs (index freed, size allocated).

@@ -26,9 +26,23 @@ use crate::blockmap::{BlockMap, BlockRange};
 use crate::deferred::DeferredSet;
 use crate::device::PhysHandle;
 use crate::fitindex::FitIndex;
+use crate::freeruns::FreeRuns;
 use crate::keys::ArenaKey;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+
+/// Live, free mapped and quick blocks: the blocks whose pages are mapped, which make runs.
+fn is_mapped(s: BlockState) -> bool {
+    matches!(
+        s,
+        BlockState::Live | BlockState::FreeMapped { .. } | BlockState::Quick { .. }
+    )
+}
+
+/// Free blocks whose pages are mapped (quick ones included).
+fn is_free_mapped(s: BlockState) -> bool {
+    matches!(s, BlockState::FreeMapped { .. } | BlockState::Quick { .. })
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BlockState {
@@ -226,6 +240,8 @@ pub(crate) struct Arena {
     /// Where the allocator's bounded scan for a reusable window starts (a lent block
     /// address; the scan wraps around). Only a hint: any value is valid.
     pub reuse_cursor: u64,
+    /// The free blocks of runs with no live block, for `inactive_split` (`freeruns.rs`).
+    runs: FreeRuns,
 }
 
 impl Arena {
@@ -256,6 +272,7 @@ impl Arena {
             retired_blocks: 0,
             last_free: 0,
             reuse_cursor: 0,
+            runs: FreeRuns::default(),
         }
     }
 
@@ -287,6 +304,7 @@ impl Arena {
     }
 
     fn index_insert(&mut self, addr: u64, b: &Block) {
+        self.runs.touch(addr);
         match b.state {
             BlockState::Quick { .. } => {
                 self.free_mapped_bytes += b.size;
@@ -319,6 +337,11 @@ impl Arena {
     }
 
     fn index_remove(&mut self, addr: u64, b: &Block) {
+        if is_free_mapped(b.state) {
+            self.runs.remove_free(addr);
+        } else {
+            self.runs.touch(addr);
+        }
         match b.state {
             BlockState::Quick { .. } => {
                 self.free_mapped_bytes -= b.size;
@@ -672,6 +695,7 @@ impl Arena {
             return None;
         }
         *state = BlockState::Quick { freed: now };
+        self.runs.touch(addr);
         self.live_blocks -= 1;
         self.free_mapped_bytes += size;
         self.free_mapped_count += 1;
@@ -696,6 +720,7 @@ impl Arena {
         let Reverse(addr) = self.quick.get_mut(&size)?.heap.pop()?;
         self.quick_len -= 1;
         *self.blocks.size_and_state(&addr)?.1 = BlockState::Live;
+        self.runs.remove_free(addr);
         self.live_blocks += 1;
         self.free_mapped_bytes -= size;
         self.free_mapped_count -= 1;
@@ -1160,6 +1185,140 @@ impl Arena {
 
     pub fn blocks(&self) -> impl Iterator<Item = (u64, &Block)> + '_ {
         self.blocks.iter().map(|(&a, b)| (a, b))
+    }
+
+    /// (count, bytes) of the free mapped blocks in runs of mapped blocks with no live block
+    /// (cached, not split: `inactive_split` leaves them out). O(blocks changed since the last
+    /// call), or O(blocks) after many changes without one (`freeruns.rs`).
+    pub fn whole_free_runs(&mut self) -> (u64, u64) {
+        let mut runs = std::mem::take(&mut self.runs);
+        self.settle_runs(&mut runs);
+        self.runs = runs;
+        self.runs.totals()
+    }
+
+    /// Brings `runs` up to date: walks the runs around the touched blocks, or recounts.
+    fn settle_runs(&self, runs: &mut FreeRuns) {
+        if !runs.known() {
+            runs.restart();
+            for (addr, size) in self.recount_whole_free() {
+                runs.set(addr, size, true);
+            }
+            return;
+        }
+        let mut frees = Vec::new();
+        for addr in runs.take_touched() {
+            let Some((start, b)) = self.block_containing(addr) else {
+                continue; // its chunk is gone
+            };
+            if is_mapped(b.state) {
+                self.settle_run(start, b, runs, &mut frees);
+                continue;
+            }
+            // A breaker: the runs on either side may have lost or gained blocks.
+            if let Some((pa, p)) = self.prev_of(start, b.chunk) {
+                if is_mapped(p.state) {
+                    self.settle_run(pa, p, runs, &mut frees);
+                }
+            }
+            let end = start + b.size;
+            if let Some(n) = self.next_of(end, b.chunk) {
+                if is_mapped(n.state) {
+                    self.settle_run(end, n, runs, &mut frees);
+                }
+            }
+        }
+    }
+
+    /// Sets the status of the free blocks of the run holding mapped block `b` at `start`,
+    /// walking both ways to the first live block or the run's end (see `freeruns.rs` for why
+    /// that suffices).
+    fn settle_run(&self, start: u64, b: Block, runs: &mut FreeRuns, frees: &mut Vec<(u64, u64)>) {
+        frees.clear();
+        let mut live = b.state == BlockState::Live;
+        if is_free_mapped(b.state) {
+            frees.push((start, b.size));
+        }
+        let mut at = start;
+        while let Some((pa, p)) = self.prev_of(at, b.chunk) {
+            match p.state {
+                BlockState::Live => {
+                    live = true;
+                    break;
+                }
+                s if is_free_mapped(s) => {
+                    frees.push((pa, p.size));
+                    at = pa;
+                }
+                _ => break,
+            }
+        }
+        let mut end = start + b.size;
+        while let Some(n) = self.next_of(end, b.chunk) {
+            match n.state {
+                BlockState::Live => {
+                    live = true;
+                    break;
+                }
+                s if is_free_mapped(s) => {
+                    frees.push((end, n.size));
+                    end += n.size;
+                }
+                _ => break,
+            }
+        }
+        for &(addr, size) in frees.iter() {
+            runs.set(addr, size, !live);
+        }
+    }
+
+    /// The free mapped blocks in runs with no live block, counted from every block.
+    fn recount_whole_free(&self) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        let (mut run, mut run_live, mut end) = (Vec::new(), false, u64::MAX);
+        let mut close = |run: &mut Vec<(u64, u64)>, live: bool| {
+            if !live {
+                out.append(run);
+            }
+            run.clear();
+        };
+        for (addr, b) in self.blocks() {
+            if !is_mapped(b.state) {
+                close(&mut run, run_live);
+                (run_live, end) = (false, u64::MAX);
+                continue;
+            }
+            if addr != end {
+                close(&mut run, run_live);
+                run_live = false;
+            }
+            if is_free_mapped(b.state) {
+                run.push((addr, b.size));
+            }
+            run_live |= b.state == BlockState::Live;
+            end = addr + b.size;
+        }
+        close(&mut run, run_live);
+        out
+    }
+
+    /// The kept whole free blocks, once settled, are the recounted ones.
+    pub fn check_free_runs(&self) -> Result<(), String> {
+        let mut runs = self.runs.clone();
+        self.settle_runs(&mut runs);
+        let mut kept: Vec<(u64, u64)> = runs.blocks().collect();
+        kept.sort_unstable();
+        let counted = self.recount_whole_free();
+        if kept != counted {
+            return Err(format!(
+                "free blocks of runs with no live block: kept {} ({} bytes), recounted {} ({} bytes)",
+                kept.len(),
+                runs.totals().1,
+                counted.len(),
+                counted.iter().map(|b| b.1).sum::<u64>()
+            ));
+        }
+        Ok(())
     }
 
     /// Verifies the invariants above; returns a description of the first violation.

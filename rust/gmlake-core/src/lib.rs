@@ -21,6 +21,7 @@ mod deferred;
 pub mod device;
 pub mod error;
 mod fitindex;
+mod freeruns;
 pub mod ipc;
 mod keys;
 pub mod sim;

@@ -188,42 +188,6 @@ mod upgrade;
 
 use streams::{Fence, PendingFree, RetiredBatch};
 
-/// Free mapped blocks (count, bytes) of an arena that lie in runs of mapped blocks with no
-/// active block.
-fn whole_free_runs(a: &Arena) -> (u64, u64) {
-    let (mut total_c, mut total_b) = (0u64, 0u64);
-    let (mut run_c, mut run_b, mut run_live, mut end) = (0u64, 0u64, false, u64::MAX);
-    let mut close = |c: u64, b: u64, live: bool| {
-        if !live {
-            total_c += c;
-            total_b += b;
-        }
-    };
-    for (addr, b) in a.blocks() {
-        let (free, live) = match b.state {
-            ArenaState::Live => (false, true),
-            ArenaState::FreeMapped { .. } | ArenaState::Quick { .. } => (true, false),
-            _ => {
-                close(run_c, run_b, run_live);
-                (run_c, run_b, run_live, end) = (0, 0, false, u64::MAX);
-                continue;
-            }
-        };
-        if addr != end {
-            close(run_c, run_b, run_live);
-            (run_c, run_b, run_live) = (0, 0, false);
-        }
-        if free {
-            run_c += 1;
-            run_b += b.size;
-        }
-        run_live |= live;
-        end = addr + b.size;
-    }
-    close(run_c, run_b, run_live);
-    (total_c, total_b)
-}
-
 fn round_request(size: u64) -> Result<u64> {
     if size > MAX_REQUEST {
         return Err(Error::SizeOverflow(size));
@@ -543,10 +507,10 @@ impl<D: Device> Allocator<D> {
     /// freed) count every free mapped block.
     pub fn stats(&self) -> DeviceStats {
         self.process_closed_imports();
-        let st = self.state.lock();
+        let mut st = self.state.lock();
         let mut s = st.stats.clone();
-        for a in &st.arenas {
-            let (count, bytes) = whole_free_runs(a);
+        for a in &mut st.arenas {
+            let (count, bytes) = a.whole_free_runs();
             let kind = a.key.kind;
             s.inactive_split.0[0].current -= count as i64;
             s.inactive_split.0[kind as usize].current -= count as i64;

@@ -88,6 +88,7 @@ impl State {
         let mut pool_bytes = [0i64; 3];
         for (aid, a) in self.arenas.iter().enumerate() {
             a.check()?;
+            a.check_free_runs()?;
             // The upgrade: an arena maps pages of its generation's size, and only those.
             let (gen_page, old) = if a.key.gen == self.gen {
                 (self.page, false)
