@@ -10,6 +10,9 @@
 //! about 370 live blocks is bench/workloads/stress.py's pattern (1-512 MiB, 30 GiB live).
 //! `MIXED_CAPACITY` (bytes) sets the simulated device's size (default 16 TiB).
 //!
+//! `MIXED_STATS_EVERY=k` reads the statistics every k pairs during the run (their cost is in
+//! the host ns/op); `MIXED_STATS=N` times N reads, each after one more pair, at the end.
+//!
 //! `MIXED_SEQUENCE=FILE` replays a sequence written by bench/mixed_sequence.cpp instead: the
 //! operations bench/latency.cpp makes for its seed (live blocks, warm-up and timed pairs from
 //! the file; `live` and `ops` are ignored). The pattern's calls depend on the sequence far more
@@ -98,7 +101,16 @@ fn main() {
     let (mut peak_active, mut peak_reserved) = (0u64, 0u64);
     let mut min_util = f64::INFINITY;
     let mut t0 = std::time::Instant::now();
+    // `MIXED_STATS_EVERY=k`: read the statistics every k pairs, as a job that logs its memory
+    // once a step does (the arenas then note the blocks each pair changes).
+    let every = std::env::var("MIXED_STATS_EVERY")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&k| k > 0);
     for (i, &(j, s)) in pairs.iter().enumerate() {
+        if every.is_some_and(|k| i % k == 0) {
+            std::hint::black_box(a.stats());
+        }
         if i == warm {
             c0 = a.device().calls();
             t0 = std::time::Instant::now();

@@ -39,6 +39,22 @@ fn is_mapped(s: BlockState) -> bool {
     )
 }
 
+/// Collects the free mapped blocks of `blocks` (one way along a run) until the first live
+/// block or the run's end; whether a live block ended it.
+fn free_until_live(
+    blocks: impl Iterator<Item = (u64, Block)>,
+    frees: &mut Vec<(u64, u64)>,
+) -> bool {
+    for (addr, b) in blocks {
+        match b.state {
+            BlockState::Live => return true,
+            s if is_free_mapped(s) => frees.push((addr, b.size)),
+            _ => return false,
+        }
+    }
+    false
+}
+
 /// Free blocks whose pages are mapped (quick ones included).
 fn is_free_mapped(s: BlockState) -> bool {
     matches!(s, BlockState::FreeMapped { .. } | BlockState::Quick { .. })
@@ -1199,6 +1215,7 @@ impl Arena {
 
     /// Brings `runs` up to date: walks the runs around the touched blocks, or recounts.
     fn settle_runs(&self, runs: &mut FreeRuns) {
+        runs.set_limit(self.blocks.len());
         if !runs.known() {
             runs.restart();
             for (addr, size) in self.recount_whole_free() {
@@ -1239,34 +1256,16 @@ impl Arena {
         if is_free_mapped(b.state) {
             frees.push((start, b.size));
         }
-        let mut at = start;
-        while let Some((pa, p)) = self.prev_of(at, b.chunk) {
-            match p.state {
-                BlockState::Live => {
-                    live = true;
-                    break;
-                }
-                s if is_free_mapped(s) => {
-                    frees.push((pa, p.size));
-                    at = pa;
-                }
-                _ => break,
-            }
-        }
-        let mut end = start + b.size;
-        while let Some(n) = self.next_of(end, b.chunk) {
-            match n.state {
-                BlockState::Live => {
-                    live = true;
-                    break;
-                }
-                s if is_free_mapped(s) => {
-                    frees.push((end, n.size));
-                    end += n.size;
-                }
-                _ => break,
-            }
-        }
+        let chunk = b.chunk;
+        let before =
+            std::iter::successors(self.prev_of(start, chunk), |&(a, _)| self.prev_of(a, chunk));
+        let after = std::iter::successors(
+            self.next_of(start + b.size, chunk)
+                .map(|n| (start + b.size, n)),
+            |&(a, n)| self.next_of(a + n.size, chunk).map(|m| (a + n.size, m)),
+        );
+        live |= free_until_live(before, frees);
+        live |= free_until_live(after, frees);
         for &(addr, size) in frees.iter() {
             runs.set(addr, size, !live);
         }
