@@ -20,14 +20,16 @@
 //! anyway. The hot path thus pays a push per changed block between two close reads, and
 //! nothing once it has stopped noting.
 //!
-//! Why walking from the touched blocks is enough: a free block's status changes only with
-//! its run. If it became whole, its run has no live block now, and a walk from any touched
-//! block of the run reaches it. If it stopped being whole, take the live block of its run
+//! Why walking from the touched blocks is enough: a free block's status changes only with its
+//! run. If it became whole, a live block left the run: it was freed (touched, now a free block
+//! of the run) or a breaker split it off (touched, at the run's end); the run has no live block
+//! now, so a walk from there reaches every block of it (a touched breaker's settle walks the
+//! runs on both of its sides). If it stopped being whole, take the live block of its run
 //! nearest to it on one side: either that block is new (touched), or it was in another run
-//! before and some block between the two (a breaker that became mapped) was touched; either
-//! way a touched block has no live block between it and the free one. So a walk that goes
-//! both ways from each touched block and stops at the first live block (or the run's end) on
-//! each side sees every block whose status may have changed.
+//! before and some block between the two (a breaker that became mapped) was touched; either way
+//! a touched block has no live block between it and the free one. So a walk that goes both ways
+//! from each touched block and stops at the first live block (or the run's end) on each side
+//! sees every block whose status may have changed.
 
 use rustc_hash::FxHashMap;
 
