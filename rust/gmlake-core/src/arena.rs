@@ -1283,8 +1283,7 @@ impl Arena {
         };
         for (addr, b) in self.blocks() {
             if !is_mapped(b.state) {
-                close(&mut run, run_live);
-                (run_live, end) = (false, u64::MAX);
+                end = u64::MAX; // the next mapped block starts a run
                 continue;
             }
             if addr != end {

@@ -100,12 +100,12 @@ impl BlockMap {
         true
     }
 
-    /// The block that ends exactly at `end` (of any chunk): (start, block).
     /// The number of blocks.
     pub fn len(&self) -> usize {
         self.blocks.len()
     }
 
+    /// The block that ends exactly at `end` (of any chunk): (start, block).
     pub fn ending_at(&self, end: u64) -> Option<(u64, &Block)> {
         let &a = self.ends.get(&end)?;
         Some((a, &self.blocks[&a]))
