@@ -201,8 +201,10 @@ pub struct ReplayArgs {
     /// (e.g. `1GiB:8MiB`): once the allocator holds AT bytes, later allocations get pages of
     /// PAGE bytes, and the memory in the smaller pages goes back to the device as its blocks
     /// are freed. Small jobs keep the configured page; large ones get few driver calls a step.
-    /// On by default at 1 GiB, to twice the page, once the job has re-mapped twice what it
-    /// holds (`page_upgrade_remap`); `--set page_upgrade_at=off` replays one page size.
+    /// On by default at 1 GiB, once the job has re-mapped twice what it holds
+    /// (`page_upgrade_remap`), to a page sized by the job's large blocks (twice the page, or
+    /// four times it where they average 80 MiB or more); `--set page_upgrade_at=off` replays
+    /// one page size.
     /// The report says whether the upgrade happened (JSON: `page_upgrade`; table: a note
     /// where it did).
     #[arg(long, value_name = "AT:PAGE", value_parser = parse_upgrade)]

@@ -901,6 +901,37 @@ fn ops_lists_every_allocation_once() {
     assert!(text(&bad.stderr).contains("--device 7 is not one"));
 }
 
+/// The default upgrade chooses its page from the job's blocks (`page_upgrade_size` 0): the
+/// two ZeRO-3 R traces, whose large live blocks average 100-250 MiB, move to 8 MiB pages and
+/// make fewer driver calls than with twice the page at 0.98 utilization or more; DDP's and
+/// FSDP2's (25 MiB blocks) move to twice the page, as before.
+#[test]
+fn the_default_upgrade_sizes_pages_by_the_jobs_blocks() {
+    let calls = |r: &Value| r["driver_calls"]["total"].as_u64().unwrap();
+    let util = |r: &Value| r["utilization"].as_f64().unwrap();
+    for t in [
+        "zero3-r-2gpu-rank0.pickle.gz",
+        "zero3-r-4gpu-rank0.pickle.gz",
+    ] {
+        let auto = replay_row(t, &[]);
+        let twice = replay_row(t, &["--set", "page_upgrade_size=4MiB"]);
+        assert_eq!(auto["page_upgrade"]["page_size"], 8 << 20, "{t}");
+        assert_eq!(twice["page_upgrade"]["page_size"], 4 << 20, "{t}");
+        assert!(
+            calls(&auto) < calls(&twice),
+            "{t}: {} driver calls, {} with 4 MiB pages",
+            calls(&auto),
+            calls(&twice)
+        );
+        assert!(util(&auto) >= 0.98, "{t}: {}", util(&auto));
+    }
+    for t in ["ddp-2rank-rank0.pickle.gz", "fsdp2-2rank-rank0.pickle.gz"] {
+        let auto = replay_row(t, &[]);
+        assert_eq!(auto["page_upgrade"]["upgraded"], true, "{t}");
+        assert_eq!(auto["page_upgrade"]["page_size"], 4 << 20, "{t}");
+    }
+}
+
 /// `--upgrade-pages AT:PAGE` (the core's `page_upgrade_at`, `page_upgrade_size`): a job that
 /// never holds AT bytes (decode, 0.34 GB) replays as without it; so does one that holds them
 /// but re-maps little (gpt-ckpt, 23 GB: its steps repeat), under the default

@@ -111,8 +111,10 @@ pub struct Config {
     /// a step after the upgrade. Default 1 GiB (measured on the GPU, docs/benchmarks.md);
     /// `off`: one page size throughout. The memory debugging mode turns it off.
     pub page_upgrade_at: Option<u64>,
-    /// `page_upgrade_size`: the page size after the upgrade; 0 (the default): twice the
-    /// first page. Otherwise a power of two larger than the first page size and a multiple
+    /// `page_upgrade_size`: the page size after the upgrade; 0 (the default): chosen at the
+    /// upgrade from the job's large blocks, a tenth of their mean size when they were at
+    /// their highest, from twice to four times the first page (`allocator/upgrade.rs`,
+    /// `auto_page`). Otherwise a power of two larger than the first page size and a multiple
     /// of the device's granularity.
     pub page_upgrade_size: u64,
     /// `page_upgrade_remap`: once the allocator holds `page_upgrade_at`, the upgrade waits
@@ -456,7 +458,7 @@ impl Config {
                     return Err(invalid(
                         key,
                         value,
-                        "expected 0 (twice the page) or a power of two",
+                        "expected 0 (sized by the job's blocks) or a power of two",
                     ));
                 }
                 self.page_upgrade_size = p;

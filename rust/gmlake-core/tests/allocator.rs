@@ -241,6 +241,41 @@ fn chunks_after_a_page_upgrade_are_whole_larger_pages() {
     assert_eq!(a.stats().reserved_bytes.aggregate().current, 0);
 }
 
+/// With `page_upgrade_size` 0 (the default) the upgrade sizes its page by the job's large
+/// blocks: a tenth of their mean size when they were at their highest, from twice the page
+/// to four times it. Jobs of 100 MiB tensors get 8 MiB pages, jobs of 20 MiB ones 4 MiB.
+#[test]
+fn the_automatic_upgrade_sizes_its_page_by_the_jobs_blocks() {
+    for (block, want) in [
+        (20 * MIB, 2 * PAGE),
+        (40 * MIB, 2 * PAGE),
+        (100 * MIB, 4 * PAGE),
+        (600 * MIB, 4 * PAGE),
+    ] {
+        let cfg = Config {
+            page_upgrade_at: Some(3 * block),
+            page_upgrade_remap: 0.0,
+            ..Config::default()
+        };
+        let (_dev, a) = setup(4096 * MIB, cfg);
+        // The upgrade is decided at the allocation after the threshold is reached, from the
+        // blocks live before it (three, so that a page sized by their sum would differ).
+        let first: Vec<_> = (0..3).map(|_| a.allocate(block, 0).unwrap()).collect();
+        assert_eq!(a.page_size(), PAGE);
+        let p = a.allocate(block, 0).unwrap();
+        assert_eq!(a.page_size(), want, "blocks of {} MiB", block / MIB);
+        assert_eq!(a.stats().page_upgrades, 1);
+        assert_eq!(p % want, 0);
+        a.verify().unwrap();
+        for q in first.into_iter().chain([p]) {
+            a.free(q).unwrap();
+        }
+        a.verify().unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(a.stats().reserved_bytes.aggregate().current, 0);
+    }
+}
+
 /// The memory debugging mode turns the page-size upgrade off (its guard pages assume one page
 /// size): the job keeps its pages past the threshold.
 #[test]

@@ -117,8 +117,8 @@ struct State {
     page: u64,
     /// The current page generation (`ArenaKey::gen`): 0, or 1 after the upgrade.
     gen: u8,
-    /// (bytes held that trigger it, page size after it) of the page-size upgrade still to
-    /// come; None when off, in debug mode, or done.
+    /// (bytes held that trigger it, page size after it, 0: chosen then) of the page-size
+    /// upgrade still to come; None when off, in debug mode, or done.
     upgrade: Option<(u64, u64)>,
     /// A block was freed into an arena of an older generation: its free pages are to go
     /// back to the device (`drain_old`).
@@ -129,6 +129,10 @@ struct State {
     /// `remapped` when the allocator first held `page_upgrade_at` bytes: the upgrade's
     /// rent-or-buy count starts there.
     remap_mark: Option<u64>,
+    /// (bytes, blocks) of the large pool's live blocks when its active bytes were at their
+    /// highest so far: the job's scale, from which an automatic upgrade (`page_upgrade_size`
+    /// 0) chooses its page (`upgrade::auto_page`). Kept until the upgrade.
+    large_peak: (u64, u64),
     total: u64,
     chunk_size: u64,
     limit: Option<u64>,
@@ -220,11 +224,9 @@ impl<D: Device> Allocator<D> {
         let upgrade = match config.page_upgrade_at {
             Some(_) if config.debug.enabled() => None,
             Some(at) => {
-                let big = match config.page_upgrade_size {
-                    0 => 2 * page,
-                    b => b,
-                };
-                if big <= page || !big.is_multiple_of(gran) {
+                // 0: chosen at the upgrade (`upgrade::auto_page`).
+                let big = config.page_upgrade_size;
+                if big != 0 && (big <= page || !big.is_multiple_of(gran)) {
                     return Err(Error::InvalidConfig {
                         key: "page_upgrade_size".into(),
                         value: big.to_string(),
@@ -248,6 +250,7 @@ impl<D: Device> Allocator<D> {
             drain_due: false,
             remapped: 0,
             remap_mark: None,
+            large_peak: (0, 0),
             total,
             chunk_size,
             limit: None,
@@ -946,6 +949,15 @@ impl State {
         s.requested_bytes.increase(kind, requested as i64);
         s.active.increase(kind, 1);
         s.active_bytes.increase(kind, size as i64);
+        if kind == PoolKind::Large && self.upgrade.is_some() {
+            let (bytes, blocks) = (
+                s.active_bytes.pool(kind).current.max(0) as u64,
+                s.active.pool(kind).current.max(0) as u64,
+            );
+            if bytes > self.large_peak.0 {
+                self.large_peak = (bytes, blocks);
+            }
+        }
         self.trace(TraceAction::Alloc, addr, size, stream);
     }
 

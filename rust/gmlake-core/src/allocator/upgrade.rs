@@ -24,6 +24,40 @@
 
 use super::*;
 
+/// An automatic upgrade's page is at most this fraction of the mean large live block.
+/// A page partly used at each end of a block is held whole: with blocks of mean size m and
+/// pages of p, the pages at the edges of free space hold up to p / (2m) of the live bytes
+/// idle. The replay of the bundled traces measured the loss at about a twentieth of the
+/// page-to-mean ratio where blocks pack against each other: 0.2-0.4 points at p = m / 11
+/// (ZeRO-3 R, 8 MiB pages for blocks of 89-123 MiB), 1-2.5 points at p = m / 3 (DDP, FSDP2,
+/// ZeRO-3 LR with 8 MiB pages for blocks of 24-32 MiB), the loss that made twice the page
+/// the fixed choice before.
+pub(super) const AUTO_PAGE_SHARE: u64 = 10;
+
+/// An automatic upgrade's page is at most this many first pages (8 MiB over 2 MiB). A
+/// larger handle costs more per call (`bench/vmm_submap_probe.cu`: a 16 MiB handle's life
+/// costs about twice a 2 MiB one's), so each doubling saves less time than calls, and the
+/// replay's cost model, which charges every handle alike, overstates it. 8 MiB is the size
+/// measured on the GPU for the large jobs (ZeRO-3 R: the allocator's time a step 97 -> 24
+/// ms, docs/design.md); 16 MiB cost ZeRO-3 R a further 0.5-0.7 points in the replay.
+pub(super) const AUTO_PAGE_MAX: u64 = 4;
+
+/// The page an automatic upgrade (`page_upgrade_size` 0) moves to from pages of `page`: the
+/// largest power-of-two multiple of `page`, from twice to `AUTO_PAGE_MAX` times it, that
+/// stays within `1 / AUTO_PAGE_SHARE` of the mean size of the large pool's live blocks
+/// when they were at their highest (`large_peak`: bytes, blocks). Jobs of large tensors
+/// (ZeRO-3 R's 100 MiB blocks) get few handles a step; jobs of many mid-sized tensors (DDP's
+/// and FSDP2's 25 MiB) keep twice the page, and their utilization.
+pub(super) fn auto_page(page: u64, large_peak: (u64, u64)) -> u64 {
+    let (bytes, blocks) = large_peak;
+    let fit = bytes.checked_div(blocks).unwrap_or(0) / AUTO_PAGE_SHARE;
+    let mut p = 2 * page;
+    while p * 2 <= fit && p * 2 <= AUTO_PAGE_MAX * page {
+        p *= 2;
+    }
+    p
+}
+
 impl State {
     /// Whether the upgrade is to happen now: the allocator holds `page_upgrade_at` bytes,
     /// no graph capture is under way, and since it first held them it has mapped again
@@ -56,6 +90,10 @@ impl State {
         let Some((_, page)) = self.upgrade.take() else {
             return Ok(());
         };
+        let page = match page {
+            0 => auto_page(self.page, self.large_peak),
+            p => p,
+        };
         // Every page held now is of the old size: active (`home`), spare, or waiting for
         // release (the `PageBook` invariant).
         let mut old: FxHashSet<PhysHandle> = self.book.home.keys().copied().collect();
@@ -65,6 +103,7 @@ impl State {
             from = self.page,
             to = page,
             held = self.book.bytes,
+            large_peak = ?self.large_peak,
             "gmlake: page-size upgrade"
         );
         self.book.old = old;
