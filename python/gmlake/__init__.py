@@ -398,7 +398,9 @@ def stats(device=None) -> Dict[str, Any]:
     freed pages were still in use by its queued work), ``gmlake.reuses_unfenced`` (kept
     windows not taken because the stream had not yet finished the work queued before their
     addresses were freed), ``gmlake.reuses_awaited`` (such windows taken after waiting for
-    that work, up to a millisecond), ``gmlake.alias_evictions``,
+    that work, up to a millisecond), ``gmlake.reuses_after_wait`` (``wait_to_reuse``: kept
+    windows taken back behind a device-side wait for the streams holding their pages),
+    ``gmlake.alias_evictions``,
     ``gmlake.device_total``, ``gmlake.page_size`` (the page new memory gets: after a
     page-size upgrade, the larger one), ``gmlake.page_upgrades`` and ``gmlake.pages_drained``
     (``page_upgrade_at``: the upgrade done, and the smaller pages given back since),

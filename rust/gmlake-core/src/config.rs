@@ -91,6 +91,13 @@ pub struct Config {
     /// that always has work queued (FSDP2's all-gather stream) costs new memory at every such
     /// miss (FSDP2 on two H200s: 0.94 utilization without, 0.99 with, same step time).
     pub cross_stream_wait: bool,
+    /// `wait_to_reuse` (off by default; needs `cross_stream_wait`): a miss that finds no kept
+    /// window to reuse, and whose stitch is going to wait on the device for other streams
+    /// anyway (the pages it may take at once fall short), first asks whether a window of its
+    /// arena would be free after that wait with no busy page; if so it waits and takes the
+    /// window as it is instead of mapping a new range from those same pages. Measured in the
+    /// replay only (docs/design.md, "Open: jobs whose shapes change every step").
+    pub wait_to_reuse: bool,
     /// `host_timing`: the bridge to PyTorch (gmlake-ffi) times every allocation and free that
     /// PyTorch's allocator interface passes to the core (lock, bookkeeping, driver calls; not
     /// the host tier's own, nor blocks placed at a given address for IPC), and reports the
@@ -155,6 +162,7 @@ impl Default for Config {
             debug: crate::debug::DebugConfig::default(),
             util_target: None,
             cross_stream_wait: true,
+            wait_to_reuse: false,
             host_timing: false,
             page_upgrade_at: Some(DEFAULT_PAGE_UPGRADE_AT),
             page_upgrade_size: 0,
@@ -184,6 +192,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "debug_canary_bytes",
     "util_target",
     "cross_stream_wait",
+    "wait_to_reuse",
     "host_timing",
     "page_upgrade_at",
     "page_upgrade_size",
@@ -481,6 +490,7 @@ impl Config {
                 };
             }
             "cross_stream_wait" | "crossstreamwait" => self.cross_stream_wait = parse_bool(key, v)?,
+            "wait_to_reuse" | "waittoreuse" => self.wait_to_reuse = parse_bool(key, v)?,
             "host_timing" | "hosttiming" => self.host_timing = parse_bool(key, v)?,
             "small_size" | "smallsize" => {
                 let s = size(key)?;
@@ -588,6 +598,7 @@ impl Config {
                 "cross_stream_wait",
                 (self.cross_stream_wait as u8).to_string(),
             ),
+            ("wait_to_reuse", (self.wait_to_reuse as u8).to_string()),
             ("host_timing", (self.host_timing as u8).to_string()),
             (
                 "page_upgrade_at",
@@ -725,6 +736,11 @@ mod tests {
         assert!(c.cross_stream_wait);
         let e = c.set("cross_stream_wait", "sometimes").unwrap_err();
         assert!(e.to_string().contains("cross_stream_wait"), "{e}");
+        assert!(!c.wait_to_reuse, "off by default");
+        c.set("wait_to_reuse", "1").unwrap();
+        assert!(c.wait_to_reuse);
+        let e = c.set("wait_to_reuse", "maybe").unwrap_err();
+        assert!(e.to_string().contains("wait_to_reuse"), "{e}");
         assert!(!c.host_timing, "off by default");
         c.set("host_timing", "1").unwrap();
         assert!(c.host_timing);

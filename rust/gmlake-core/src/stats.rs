@@ -191,6 +191,11 @@ macro_rules! for_device_stats {
                 /// Kept windows taken after polling that work's fence for a while (at most a
                 /// millisecond): it completed meanwhile.
                 reuses_awaited: u64 = accumulated,
+                /// `cross_stream_wait`: kept windows taken after the miss's stream waited on
+                /// the device for the streams that freed their pages (which it could not take
+                /// before), where without the wait the miss had stitched a new range from
+                /// those same pages.
+                reuses_after_wait: u64 = accumulated,
                 /// Kept mappings unmapped because there were more than `max_aliases` allowed.
                 alias_evictions: u64 = accumulated,
                 /// Kept aliases unmapped and refilled with another page, to reuse a range whose

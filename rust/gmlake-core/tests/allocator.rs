@@ -217,6 +217,50 @@ fn waits_before_release(cross_stream_wait: bool) {
     assert_eq!(dev.physical_bytes(), 0);
 }
 
+/// `wait_to_reuse`: a stream whose kept range's pages are free on another stream, whose work
+/// is still queued, waits for that stream on the device and takes the range back as it is
+/// (no map), where otherwise it waits all the same and maps those pages at a new address.
+/// Either way nothing races: stream 1's write comes after stream 2's on the device.
+#[test]
+fn wait_to_reuse_takes_a_kept_range_back_behind_a_device_wait() {
+    for on in [false, true] {
+        let cfg = Config {
+            wait_to_reuse: on,
+            ..Config::default()
+        };
+        let (dev, a) = setup_async(256 * MIB, cfg);
+        // Stream 1's range, written and freed; stream 2 takes its pages (behind a
+        // device-side wait), and stream 1's range is kept as aliases of them.
+        let p = a.allocate(16 * MIB, 1).unwrap();
+        dev.fill(p, 16 * MIB, 1, 1).unwrap();
+        a.free(p).unwrap();
+        let q = a.allocate(16 * MIB, 2).unwrap();
+        dev.fill(q, 16 * MIB, 2, 2).unwrap();
+        a.free(q).unwrap();
+        let maps = a.stats().driver_calls.map;
+        let waits = a.stats().driver_calls.stream_wait;
+        let r = a.allocate(16 * MIB, 1).unwrap();
+        dev.fill(r, 16 * MIB, 3, 1).unwrap();
+        assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
+        let s = a.stats();
+        assert!(s.driver_calls.stream_wait > waits, "no device-side wait");
+        if on {
+            assert_eq!(r, p, "the kept range was not taken back");
+            assert_eq!(s.driver_calls.map, maps);
+            assert_eq!(s.reuses_after_wait, 1);
+        } else {
+            assert_ne!(r, p);
+            assert_eq!(s.driver_calls.map, maps + 8);
+            assert_eq!(s.reuses_after_wait, 0);
+        }
+        a.verify().unwrap();
+        a.free(r).unwrap();
+        dev.complete_all();
+        a.empty_cache().unwrap();
+        assert_eq!(dev.physical_bytes(), 0);
+    }
+}
+
 /// After a page-size upgrade, new virtual chunks are whole pages of the new size even where
 /// the device's memory (the default chunk size) is no multiple of it: on an H200 (143,771
 /// MiB) a chunk sized in 2 MiB pages left an unmapped tail of a partial 8 MiB page.

@@ -48,9 +48,9 @@ fn config() -> impl Strategy<Value = Config> {
         prop::bool::ANY,
         0usize..3,
         0usize..3,
-        prop::bool::ANY,
         0usize..3,
-        prop::bool::ANY,
+        0usize..3,
+        0usize..3,
         prop::bool::ANY,
     )
         .prop_map(
@@ -69,12 +69,15 @@ fn config() -> impl Strategy<Value = Config> {
                 alias_floor: 8 * PAGE,
                 // Stitch first (the default), or create first within a utilization budget.
                 util_target: [None, Some(0.9), Some(0.5)][target],
-                // Take another stream's pending pages by waiting for it on the device.
-                cross_stream_wait: wait,
-                // One page size throughout, or an upgrade to 4 or 8 MiB pages once 8 or 24
-                // MiB are held (the old generation drains while the sequence runs).
+                // Take another stream's pending pages by waiting for it on the device, and
+                // (`wait_to_reuse`) take a kept window back behind such a wait.
+                cross_stream_wait: wait > 0,
+                wait_to_reuse: wait == 2,
+                // One page size throughout, or an upgrade to 4 or 8 MiB pages, or to the
+                // page sized by the live blocks (0), once 8 or 24 MiB are held (the old
+                // generation drains while the sequence runs).
                 page_upgrade_at: [None, Some(4 * PAGE), Some(12 * PAGE)][upgrade],
-                page_upgrade_size: if big { 4 * PAGE } else { 2 * PAGE },
+                page_upgrade_size: [2 * PAGE, 4 * PAGE, 0][big],
                 // At once, or once stitching has re-mapped what is held.
                 page_upgrade_remap: if at_once { 0.0 } else { 1.0 },
                 ..Config::default()

@@ -983,8 +983,15 @@ impl State {
                 };
                 let max_busy = (fresh / 2).min((size.div_ceil(self.page) / 4).max(1));
                 self.settle_arenas();
-                let (found, cursor) = self.find_reuse(aid, size, max_busy);
+                let (mut found, cursor) = self.find_reuse(aid, size, max_busy, false);
                 self.arenas[aid as usize].reuse_cursor = cursor;
+                if found.is_none() && self.window_after_wait(dev, aid, size, fresh)? {
+                    self.wait_for_streams(dev, self.arenas[aid as usize].key.stream)?;
+                    found = self.find_reuse(aid, size, 0, false).0;
+                    if found.is_some() {
+                        self.stats.reuses_after_wait += 1;
+                    }
+                }
                 if let Some(r) = found {
                     if self.apply_reuse(dev, aid, &r, size)? {
                         let now = self.now;

@@ -263,11 +263,50 @@ impl State {
         Ok(same + other)
     }
 
+    /// `wait_to_reuse` (with `cross_stream_wait`), for a miss of `size` bytes in arena `aid` that found no kept
+    /// window to reuse and would map `fresh` pages: whether the stitch to come will wait on
+    /// the device for other streams (the pages it may take at once, this stream's and those
+    /// of fenced streams, after refreshing the fences as `stealable_for` does, fall short of
+    /// `fresh`) and a kept window would be reusable after that wait with no busy page. The
+    /// stitch would then take those same free pages into a new range (a map and an access
+    /// grant each, an unmap later), where after the wait the window is taken as it is. Only
+    /// where the stitch waits anyway: a wait the stitch would not make orders this stream
+    /// behind the others' queued work (FSDP2's prefetching all-gathers behind its compute),
+    /// and in the replay it moved pages between the streams' kept ranges back and forth.
+    pub(super) fn window_after_wait<D: Device>(
+        &mut self,
+        dev: &D,
+        aid: u32,
+        size: u64,
+        fresh: u64,
+    ) -> Result<bool> {
+        let stream = self.arenas[aid as usize].key.stream;
+        if !(self.cfg.cross_stream_wait && self.cfg.wait_to_reuse) {
+            return Ok(false);
+        }
+        // As `stealable_for`: this stream's pages first, with no refresh and no wait.
+        let takeable = |st: &State| -> u64 {
+            st.arenas
+                .iter()
+                .filter(|a| st.may_give(a, stream))
+                .map(|a| a.stealable_pages)
+                .sum::<u64>()
+                + st.book.spare.len() as u64
+        };
+        if takeable(self) >= fresh {
+            return Ok(false);
+        }
+        self.refresh_fences(dev, stream)?;
+        Ok(takeable(self) < fresh
+            && self.unfenced_arenas(stream).any(|a| a.stealable_pages > 0)
+            && self.find_reuse(aid, size, 0, true).0.is_some())
+    }
+
     /// `cross_stream_wait`: makes `stream` wait on the device for an event recorded now on
     /// every other stream whose free pages it may not take yet, so that it may: its later work
     /// runs after theirs (`waited`). A device without the call, or a failed call, leaves
     /// things as they were: the miss creates memory instead.
-    fn wait_for_streams<D: Device>(&mut self, dev: &D, stream: StreamId) -> Result<()> {
+    pub(super) fn wait_for_streams<D: Device>(&mut self, dev: &D, stream: StreamId) -> Result<()> {
         let mut others: Vec<StreamId> = self
             .unfenced_arenas(stream)
             .filter(|a| a.stealable_pages > 0)
@@ -299,7 +338,7 @@ impl State {
 
     /// Arenas of other streams whose free pages `stream` may not take yet: their fences are
     /// pending and `stream` has not waited for them since their last free.
-    fn unfenced_arenas(&self, stream: StreamId) -> impl Iterator<Item = &Arena> + '_ {
+    pub(super) fn unfenced_arenas(&self, stream: StreamId) -> impl Iterator<Item = &Arena> + '_ {
         self.arenas.iter().filter(move |a| {
             a.key.stream != stream && self.pool_may_give(a) && !self.may_give(a, stream)
         })
@@ -347,6 +386,13 @@ impl State {
                     .waited
                     .get(&(stream, a.key.stream))
                     .is_some_and(|&w| w >= a.last_free))
+    }
+
+    /// [`State::may_give`], or, with `after_wait`, whether it would once `stream` waited for
+    /// the arena's stream now (`wait_for_streams` makes every arena of the current
+    /// generation that is no live graph pool give).
+    fn may_give_after(&self, a: &Arena, stream: StreamId, after_wait: bool) -> bool {
+        self.may_give(a, stream) || (after_wait && self.pool_may_give(a))
     }
 
     /// Applies every arena's deferred index changes (`Arena::settle`): before the queries of
@@ -487,8 +533,16 @@ impl State {
     /// Whether page `h` may be taken back, with no driver call, for arena `aid` (serving
     /// `stream`): it is active at an interior page of a free mapped block of an arena that
     /// may give to `stream`, outside `avoid` (the region being reused, which it would cut).
-    fn reusable(&self, h: PhysHandle, aid: u32, stream: StreamId, avoid: (u64, u64)) -> bool {
-        self.reusable_cached(h, aid, stream, avoid, &mut None)
+    /// `after_wait`: as if `stream` had waited for every other stream (`find_reuse`).
+    fn reusable(
+        &self,
+        h: PhysHandle,
+        aid: u32,
+        stream: StreamId,
+        avoid: (u64, u64),
+        after_wait: bool,
+    ) -> bool {
+        self.reusable_cached(h, aid, stream, avoid, after_wait, &mut None)
     }
 
     /// [`State::reusable`], remembering the block it last looked up: the pages of a kept
@@ -501,6 +555,7 @@ impl State {
         aid: u32,
         stream: StreamId,
         avoid: (u64, u64),
+        after_wait: bool,
         last: &mut Option<(u32, u64, u64, bool)>,
     ) -> bool {
         let Some(&(x, va)) = self.book.home.get(&h) else {
@@ -510,7 +565,7 @@ impl State {
             return false;
         }
         let a = &self.arenas[x as usize];
-        if !self.may_give(a, stream) {
+        if !self.may_give_after(a, stream, after_wait) {
             return false;
         }
         let free = match *last {
@@ -540,7 +595,17 @@ impl State {
     /// `MAX_REUSE_CHECKS` (`reuse_checks`); the scan starts at the arena's `reuse_cursor` and wraps around.
     /// Also returns where the next scan should start (the cursor moves only when the bound
     /// cut this scan short).
-    pub(super) fn find_reuse(&self, aid: u32, size: u64, max_busy: u64) -> (Option<Reuse>, u64) {
+    ///
+    /// `after_wait`: count the pages of other streams' arenas that `stream` may not take yet
+    /// as if it had waited for those streams (`wait_for_streams`), to learn whether a wait
+    /// would make a window reusable.
+    pub(super) fn find_reuse(
+        &self,
+        aid: u32,
+        size: u64,
+        max_busy: u64,
+        after_wait: bool,
+    ) -> (Option<Reuse>, u64) {
         let arena = &self.arenas[aid as usize];
         let stream = arena.key.stream;
         let page = arena.page();
@@ -553,7 +618,7 @@ impl State {
         let giving: Vec<&Arena> = self
             .arenas
             .iter()
-            .filter(|a| a.stealable_pages > 0 && self.may_give(a, stream))
+            .filter(|a| a.stealable_pages > 0 && self.may_give_after(a, stream, after_wait))
             .collect();
         let free_count: u64 = giving.iter().map(|a| a.stealable_pages).sum();
         let free_pages: Option<FxHashSet<PhysHandle>> =
@@ -615,12 +680,12 @@ impl State {
                             let r = set.contains(&h);
                             debug_assert_eq!(
                                 r,
-                                self.reusable(h, aid, stream, (0, 0)),
+                                self.reusable(h, aid, stream, (0, 0), after_wait),
                                 "the free-page set disagrees with the lookup for {h:?}"
                             );
                             r
                         }
-                        None => self.reusable_cached(h, aid, stream, (0, 0), &mut last),
+                        None => self.reusable_cached(h, aid, stream, (0, 0), after_wait, &mut last),
                     };
                     let kind = if reusable { 1 } else { 2 };
                     units.push((va, page, kind));
@@ -669,7 +734,7 @@ impl State {
         let mut taken: FxHashSet<PhysHandle> = FxHashSet::default();
         for va in (start & !(page - 1)..end).step_by(page as usize) {
             if let Some(h) = arena.lent_at(va) {
-                if taken.insert(h) && self.reusable(h, aid, stream, (start, end)) {
+                if taken.insert(h) && self.reusable(h, aid, stream, (start, end), after_wait) {
                     r.lent.push((va, h));
                 } else {
                     r.replace.push(va);
