@@ -535,22 +535,11 @@ impl State {
     /// `stream`): it is active at an interior page of a free mapped block of an arena that
     /// may give to `stream`, outside `avoid` (the region being reused, which it would cut).
     /// `after_wait`: as if `stream` had waited for every other stream (`find_reuse`).
+    /// `last` remembers the block it last looked up, (arena, block start, block end, free
+    /// mapped), valid while the arenas do not change (one scan): the pages of a kept window
+    /// were stitched together, so they are mostly active in one block elsewhere, and
+    /// consecutive calls skip the search for it; `&mut None` for a single lookup.
     fn reusable(
-        &self,
-        h: PhysHandle,
-        aid: u32,
-        stream: StreamId,
-        avoid: (u64, u64),
-        after_wait: bool,
-    ) -> bool {
-        self.reusable_cached(h, aid, stream, avoid, after_wait, &mut None)
-    }
-
-    /// [`State::reusable`], remembering the block it last looked up: the pages of a kept
-    /// window were stitched together, so they are mostly active in one block elsewhere, and
-    /// consecutive calls skip the search for it. `last` is (arena, block start, block end,
-    /// free mapped), valid while the arenas do not change (one scan).
-    fn reusable_cached(
         &self,
         h: PhysHandle,
         aid: u32,
@@ -681,12 +670,12 @@ impl State {
                             let r = set.contains(&h);
                             debug_assert_eq!(
                                 r,
-                                self.reusable(h, aid, stream, (0, 0), after_wait),
+                                self.reusable(h, aid, stream, (0, 0), after_wait, &mut None),
                                 "the free-page set disagrees with the lookup for {h:?}"
                             );
                             r
                         }
-                        None => self.reusable_cached(h, aid, stream, (0, 0), after_wait, &mut last),
+                        None => self.reusable(h, aid, stream, (0, 0), after_wait, &mut last),
                     };
                     let kind = if reusable { 1 } else { 2 };
                     units.push((va, page, kind));
@@ -735,7 +724,9 @@ impl State {
         let mut taken: FxHashSet<PhysHandle> = FxHashSet::default();
         for va in (start & !(page - 1)..end).step_by(page as usize) {
             if let Some(h) = arena.lent_at(va) {
-                if taken.insert(h) && self.reusable(h, aid, stream, (start, end), after_wait) {
+                if taken.insert(h)
+                    && self.reusable(h, aid, stream, (start, end), after_wait, &mut None)
+                {
                     r.lent.push((va, h));
                 } else {
                     r.replace.push(va);
