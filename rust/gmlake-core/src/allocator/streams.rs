@@ -275,8 +275,8 @@ impl State {
     }
 
     /// After `own_stream_done_since` said no: polls `stream`'s pending fence, if it covers
-    /// `since`, for at most `REUSE_FENCE_WAIT` (yielding the thread between polls). True if
-    /// it completed; counted in `reuses_awaited`.
+    /// `since`, `REUSE_FENCE_POLLS` times, `REUSE_FENCE_POLL_GAP` apart. True if it
+    /// completed; counted in `reuses_awaited`.
     pub(super) fn await_own_fence<D: Device>(
         &mut self,
         dev: &D,
@@ -289,18 +289,15 @@ impl State {
         if stamp < since || self.captures > 0 {
             return Ok(false);
         }
-        let deadline = std::time::Instant::now() + super::pages::REUSE_FENCE_WAIT;
-        loop {
-            std::thread::yield_now();
+        for _ in 0..super::pages::REUSE_FENCE_POLLS {
+            std::thread::sleep(super::pages::REUSE_FENCE_POLL_GAP);
             if drv!(self, query_event, dev.query_event(e))? {
                 self.fence_completed(stream, e, stamp);
                 self.stats.reuses_awaited += 1;
                 return Ok(true);
             }
-            if std::time::Instant::now() >= deadline {
-                return Ok(false);
-            }
         }
+        Ok(false)
     }
 
     /// `stream`'s fence event `e`, recorded at `stamp`, has completed: its work up to then is
