@@ -398,7 +398,7 @@ def stats(device=None) -> Dict[str, Any]:
     freed pages were still in use by its queued work), ``gmlake.reuses_unfenced`` (kept
     windows not taken because the stream had not yet finished the work queued before their
     addresses were freed), ``gmlake.reuses_awaited`` (such windows taken after waiting for
-    that work, up to a millisecond), ``gmlake.reuses_after_wait`` (``wait_to_reuse``: kept
+    that work, 20 queries 50 µs apart), ``gmlake.reuses_after_wait`` (``wait_to_reuse``: kept
     windows taken back behind a device-side wait for the streams holding their pages),
     ``gmlake.alias_evictions``,
     ``gmlake.device_total``, ``gmlake.page_size`` (the page new memory gets: after a

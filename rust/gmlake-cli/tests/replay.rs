@@ -563,12 +563,25 @@ fn replay_predicts_the_gpu_for_the_four_rank_zero3_job() {
 }
 
 /// Full fine-tuning with recomputation, rank 0 of two (H200s; issue 17): the job where gmlake
-/// still re-stitches every step (about 1,300 VMM calls a step on the GPU, 1.10x native's step
-/// time); the replay predicts the GPU's reserved memory, so that this can be worked on
-/// without a GPU.
+/// still re-stitches every step (about 700 VMM calls a step on the GPU with the default's
+/// 8 MiB pages, 1,500 with 4 MiB); the replay predicts the GPU's reserved memory with either
+/// page (both runs in one GPU call), so that this can be worked on without a GPU.
 #[test]
 fn replay_predicts_the_gpu_for_the_two_rank_zero3_r_job() {
-    replay_predicts_the_gpu("zero3-r-2gpu-rank0");
+    let (_, gpu) = replay_matches_the_gpu("zero3-r-2gpu-rank0");
+    let run = &gpu["runs"]["gmlake_page_upgrade_size_4MiB"];
+    assert_eq!(run["page_size"], 4 << 20);
+    let want = run["peak_reserved_bytes"].as_f64().unwrap();
+    let row = replay_row(
+        "zero3-r-2gpu-rank0.pickle.gz",
+        &["--set", "page_upgrade_size=4MiB"],
+    );
+    assert_eq!(row["page_upgrade"]["page_size"], 4 << 20);
+    let ours = row["peak_reserved_bytes"].as_f64().unwrap();
+    assert!(
+        (ours - want).abs() / want <= 0.02,
+        "4 MiB pages: replay reserved {ours} vs GPU {want}"
+    );
 }
 
 /// FSDP2 on two GPUs (issue 13): the all-gather stream always has work queued, so the fences

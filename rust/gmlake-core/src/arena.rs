@@ -1224,12 +1224,20 @@ impl Arena {
             return;
         }
         let mut frees = Vec::new();
+        // The blocks the last walk visited: every free one among them has its status, so a
+        // touched address inside needs no walk of its own (the touched addresses come in
+        // order; without this, k touched blocks of one run, parked quick blocks freed in a
+        // row, walked the run k times).
+        let mut walked = (0u64, 0u64);
         for addr in runs.take_touched() {
+            if (walked.0..walked.1).contains(&addr) {
+                continue;
+            }
             let Some((start, b)) = self.block_containing(addr) else {
                 continue; // its chunk is gone
             };
             if is_mapped(b.state) {
-                self.settle_run(start, b, runs, &mut frees);
+                walked = self.settle_run(start, b, runs, &mut frees);
                 continue;
             }
             // A breaker: the runs on either side may have lost or gained blocks.
@@ -1241,7 +1249,7 @@ impl Arena {
             let end = start + b.size;
             if let Some(n) = self.next_of(end, b.chunk) {
                 if is_mapped(n.state) {
-                    self.settle_run(end, n, runs, &mut frees);
+                    walked = self.settle_run(end, n, runs, &mut frees);
                 }
             }
         }
@@ -1249,8 +1257,15 @@ impl Arena {
 
     /// Sets the status of the free blocks of the run holding mapped block `b` at `start`,
     /// walking both ways to the first live block or the run's end (see `freeruns.rs` for why
-    /// that suffices).
-    fn settle_run(&self, start: u64, b: Block, runs: &mut FreeRuns, frees: &mut Vec<(u64, u64)>) {
+    /// that suffices). Every free block it visits gets its run's status, whichever block the
+    /// walk started from. Returns the span of the blocks visited, [lowest start, highest end).
+    fn settle_run(
+        &self,
+        start: u64,
+        b: Block,
+        runs: &mut FreeRuns,
+        frees: &mut Vec<(u64, u64)>,
+    ) -> (u64, u64) {
         frees.clear();
         let mut live = b.state == BlockState::Live;
         if is_free_mapped(b.state) {
@@ -1266,9 +1281,12 @@ impl Arena {
         );
         live |= free_until_live(before, frees);
         live |= free_until_live(after, frees);
+        let mut span = (start, start + b.size);
         for &(addr, size) in frees.iter() {
             runs.set(addr, size, !live);
+            span = (span.0.min(addr), span.1.max(addr + size));
         }
+        span
     }
 
     /// The free mapped blocks in runs with no live block, counted from every block.

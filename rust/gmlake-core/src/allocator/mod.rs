@@ -985,11 +985,16 @@ impl State {
                 self.settle_arenas();
                 let (mut found, cursor) = self.find_reuse(aid, size, max_busy, false);
                 self.arenas[aid as usize].reuse_cursor = cursor;
-                if found.is_none() && self.window_after_wait(dev, aid, size, fresh)? {
-                    self.wait_for_streams(dev, self.arenas[aid as usize].key.stream)?;
-                    found = self.find_reuse(aid, size, 0, false).0;
-                    if found.is_some() {
-                        self.stats.reuses_after_wait += 1;
+                if found.is_none() {
+                    if let Some(r) = self.window_after_wait(dev, aid, size, fresh)? {
+                        // The window holds if the wait was made: every arena it counted as
+                        // giving is then fenced (a refused wait leaves some unfenced).
+                        let stream = self.arenas[aid as usize].key.stream;
+                        self.wait_for_streams(dev, stream)?;
+                        if !self.unfenced_arenas(stream).any(|a| a.stealable_pages > 0) {
+                            self.stats.reuses_after_wait += 1;
+                            found = Some(r);
+                        }
                     }
                 }
                 if let Some(r) = found {

@@ -274,7 +274,9 @@ impl State {
     /// come will wait on the device for other streams (the pages it may take at once, this
     /// stream's and those of fenced streams, after refreshing the fences as `stealable_for`
     /// does, fall short of `fresh`) and a kept window would be reusable after that wait with
-    /// no busy page. The stitch would then take those same free pages into a new range (a
+    /// no busy page: that window, to take once `wait_for_streams` has made the wait (which
+    /// fences exactly the arenas it counted as giving). The stitch would otherwise take those
+    /// same free pages into a new range (a
     /// map and an access grant each, an unmap later), where after the wait the window is
     /// taken as it is. Only where the stitch waits anyway: a wait the stitch would not make
     /// orders this stream behind the others' queued work (FSDP2's prefetching all-gathers
@@ -286,10 +288,10 @@ impl State {
         aid: u32,
         size: u64,
         fresh: u64,
-    ) -> Result<bool> {
+    ) -> Result<Option<Reuse>> {
         let stream = self.arenas[aid as usize].key.stream;
         if !(self.cfg.cross_stream_wait && self.cfg.wait_to_reuse) {
-            return Ok(false);
+            return Ok(None);
         }
         // As `stealable_for`: this stream's pages first, with no refresh and no wait.
         let takeable = |st: &State| -> u64 {
@@ -301,12 +303,13 @@ impl State {
                 + st.book.spare.len() as u64
         };
         if takeable(self) >= fresh {
-            return Ok(false);
+            return Ok(None);
         }
         self.refresh_fences(dev, stream)?;
-        Ok(takeable(self) < fresh
-            && self.unfenced_arenas(stream).any(|a| a.stealable_pages > 0)
-            && self.find_reuse(aid, size, 0, true).0.is_some())
+        if takeable(self) >= fresh || !self.unfenced_arenas(stream).any(|a| a.stealable_pages > 0) {
+            return Ok(None);
+        }
+        Ok(self.find_reuse(aid, size, 0, true).0)
     }
 
     /// `cross_stream_wait`: makes `stream` wait on the device for an event recorded now on
