@@ -18,8 +18,9 @@
 # .artifacts/ds, made by bench/deepspeed/wheels.sh), TRACE_STRATEGIES (strategies whose native
 # run records its allocator trace, for `gmlake replay`: $OUT/zero3/zero3-S-native.pickle.gz),
 # BUDGET_S (0: none; else a run starts only if one as long as the last run of its strategy, or
-# of the search, else the longest so far, ends within BUDGET_S seconds of the start: set it
-# under the machine's time limit so that no run is cut off and the table is still written),
+# of the search, else the longest so far, ends within BUDGET_S seconds of the start, and a run
+# that takes longer than that is stopped at BUDGET_S: set it under the machine's time limit so
+# that the table is still written),
 # EXTRA_ARGS (more arguments for every run of bench/workloads/zero3.py, e.g. "--profile-step 2":
 # a GPU timeline of the third measured step on every rank, beside results.jsonl).
 # Results: $OUT/zero3/results.jsonl.
@@ -64,7 +65,15 @@ launch() { # allocator, then the workload's arguments
   else
     pre=(python3 bench/workloads/zero3.py)
   fi
-  env "${env_[@]}" timeout -k 10 "${RUN_TIMEOUT:-300}" "${pre[@]}" --allocator "$alloc" --label "$label" "$@"
+  # A run never outlives BUDGET_S: a run longer than the last of its kind (a search that
+  # bisects further, a slower machine) is stopped at the budget's end, so the table is still
+  # written before the machine's time limit ends the whole command.
+  local limit=${RUN_TIMEOUT:-300}
+  if [ "$BUDGET_S" -gt 0 ]; then
+    local left=$((BUDGET_S - SECONDS))
+    [ "$left" -lt "$limit" ] && limit=$((left > 1 ? left : 1))
+  fi
+  env "${env_[@]}" timeout -k 10 "$limit" "${pre[@]}" --allocator "$alloc" --label "$label" "$@"
 }
 declare -A took=()   # strategy (or "search") -> seconds its last run took
 longest=0
