@@ -21,8 +21,11 @@
 # of the search, else the longest so far, ends within BUDGET_S seconds of the start, and a run
 # that takes longer than that is stopped at BUDGET_S: set it under the machine's time limit so
 # that the table is still written),
-# EXTRA_ARGS (more arguments for every run of bench/workloads/zero3.py, e.g. "--profile-step 2":
-# a GPU timeline of the third measured step on every rank, beside results.jsonl).
+# MACHINE_CHECK (1: time the host's Python loop and each GPU's bf16 matrix product before and
+# after the runs, bench/machine_check.py, into $OUT/zero3/machine.jsonl: whether two calls'
+# steps may be compared at all), EXTRA_ARGS (more arguments for every run of
+# bench/workloads/zero3.py, e.g. "--profile-step 2": a GPU timeline of the third measured step
+# on every rank, beside results.jsonl).
 # Results: $OUT/zero3/results.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -49,6 +52,11 @@ if ! python3 -c "import deepspeed" 2>/dev/null; then
     || { echo "cannot install deepspeed from $wheels (see $O/install.log)"; tail -5 "$O/install.log"; exit 2; }
 fi
 python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)" 2>&1 | grep -v "^\[" | tail -1
+machine_check() { # the host's and GPUs' speed now (bench/machine_check.py), before and after the runs
+  [ "${MACHINE_CHECK:-1}" = 1 ] && [ -f bench/machine_check.py ] || return 0
+  echo "   machine $1: $(python3 bench/machine_check.py --out "$O/machine.jsonl" 2>&1 | tail -1)"
+}
+machine_check before
 launch() { # allocator, then the workload's arguments
   local a=$1; shift
   local label=$a env_=() alloc=$a pre=()
@@ -115,4 +123,5 @@ if [ "${SEARCH:-1}" = 1 ]; then
     ran search "$t0"
   done
 fi
+machine_check after
 python3 bench/deepspeed/table.py "$O/results.jsonl" | tee "$O/table.md"
