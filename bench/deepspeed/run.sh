@@ -54,6 +54,8 @@ fi
 python3 -c "import deepspeed, torch; print('deepspeed', deepspeed.__version__, 'torch', torch.__version__)" 2>&1 | grep -v "^\[" | tail -1
 machine_check() { # the host's and GPUs' speed now (bench/machine_check.py), before and after the runs
   [ "${MACHINE_CHECK:-1}" = 1 ] && [ -f bench/machine_check.py ] || return 0
+  # Not past the budget: the table comes first.
+  [ "$BUDGET_S" -gt 0 ] && [ $((SECONDS + 20)) -gt "$BUDGET_S" ] && [ "$1" = after ] && return 0
   echo "   machine $1: $(python3 bench/machine_check.py --out "$O/machine.jsonl" 2>&1 | tail -1)"
 }
 machine_check before
