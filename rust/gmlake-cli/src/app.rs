@@ -60,6 +60,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
         strict: args.strict,
         deferred_frees: !args.instant_frees,
         windows: args.windows.map_or(0, usize::from),
+        waste_at_peak: args.waste_at_peak,
         series_points: if args.plot.is_some() {
             SERIES_POINTS
         } else {
@@ -198,6 +199,7 @@ fn page_size_trials(
     let page = make(config.clone())?.page_size();
     let options = ReplayOptions {
         windows: 0,
+        waste_at_peak: false,
         series_points: 0,
         ..*options
     };

@@ -217,6 +217,13 @@ pub struct ReplayArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1000))]
     pub windows: Option<u16>,
 
+    /// Also report where the memory held at the peak sits: live blocks, free blocks after the
+    /// last live block of a mapped run (tails of stitched ranges), before the first, between
+    /// live blocks, whole free runs, frees pending on other streams, and pages held unmapped
+    /// (JSON: `waste_at_peak`; table: a line per device). Reads a snapshot at each new peak.
+    #[arg(long)]
+    pub waste_at_peak: bool,
+
     /// Also replay each device with uniform pages of 2, 4, 8, 16 and 32 times the page size
     /// and suggest the largest whose utilization stays within TOLERANCE (default 0.01) of the
     /// replay's own: larger pages mean fewer driver calls (one per page moved), at some

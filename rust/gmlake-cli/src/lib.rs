@@ -9,7 +9,8 @@
 //! - [`report`]: the table and JSON output; [`plot`]: the SVG chart;
 //! - [`cli`], [`app`], [`progress`], [`clock`]: the command itself;
 //! - [`tier`]: `gmlake tier-replay`, traces of host-tier operations (issue 16);
-//! - [`ops`]: `gmlake ops`, a snapshot's allocations and frees as a list for timing allocators.
+//! - [`ops`]: `gmlake ops`, a snapshot's allocations and frees as a list for timing allocators;
+//! - [`waste`]: where held but unused memory sits at the replay's peak (`--waste-at-peak`).
 
 pub mod app;
 pub mod cli;
@@ -24,3 +25,4 @@ pub mod report;
 pub mod series;
 pub mod tier;
 pub mod trace;
+pub mod waste;

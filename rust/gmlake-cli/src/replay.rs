@@ -39,6 +39,10 @@ pub trait Backend {
     /// The next trace event begins: work queued on the job's streams before it has completed
     /// (for a backend that models it as pending until then).
     fn settle(&mut self) {}
+    /// Where the held memory sits now (`--waste-at-peak`), for a backend that can say.
+    fn waste(&self) -> Option<crate::waste::Waste> {
+        None
+    }
 }
 
 /// The stitcher's counters (accumulated counters of gmlake's statistics) that `--windows`
@@ -169,6 +173,13 @@ impl Backend for SimBackend {
         let value = |name| counters.iter().find(|c| c.0 == name).map_or(0, |c| c.1);
         Some(WINDOW_COUNTERS.map(value))
     }
+    fn waste(&self) -> Option<crate::waste::Waste> {
+        let reserved = self.reserved_bytes();
+        Some(crate::waste::Waste::of(
+            &self.allocator.snapshot(),
+            reserved,
+        ))
+    }
     fn free_after(&mut self, ptr: DevicePtr, waiter: StreamId) -> Result<(), CoreError> {
         self.allocator.record_stream(ptr, waiter)?;
         self.allocator.free(ptr)
@@ -221,6 +232,9 @@ pub struct ReplayOptions {
     /// `--windows N`: the backend's driver calls at the end of each of N windows of equal
     /// event counts (0: none).
     pub windows: usize,
+    /// `--waste-at-peak`: read where the held memory sits at each new peak of it (a
+    /// snapshot, O(blocks), only when the peak rises) and keep the last.
+    pub waste_at_peak: bool,
 }
 
 /// What one replay measured.
@@ -255,6 +269,8 @@ pub struct Measures {
     pub half_driver_calls: Option<DriverCalls>,
     /// `--windows`: the backend's counters at the end of each window.
     pub windows: Vec<WindowSnapshot>,
+    /// `--waste-at-peak`: where the held memory sat when it was at its peak.
+    pub waste_at_peak: Option<crate::waste::Waste>,
 }
 
 /// Why a replay stopped, at which event.
@@ -416,6 +432,7 @@ pub fn replay<B: Backend>(
     let windows = options.windows.min(events.len());
     let mut window_snapshots = Vec::with_capacity(windows);
     let mut next_window = 1usize;
+    let mut waste_at_peak = None;
     let snapshot = |b: &B, events_so_far: usize| -> Option<WindowSnapshot> {
         let counts = b.stitch_counts().unwrap_or_default();
         b.driver_calls().map(|calls| (events_so_far, calls, counts))
@@ -493,6 +510,9 @@ pub fn replay<B: Backend>(
             Action::Unknown if options.strict => return fail(i, ReplayErrorKind::UnknownAction),
             _ => native.observe(e),
         }
+        if reserved > peak_reserved && options.waste_at_peak {
+            waste_at_peak = backend.waste();
+        }
         peak_reserved = peak_reserved.max(reserved);
         series.record(i, active, reserved, native.running());
         if i % PROGRESS_EVERY == 0 {
@@ -527,6 +547,7 @@ pub fn replay<B: Backend>(
         series,
         half_driver_calls,
         windows: window_snapshots,
+        waste_at_peak,
     })
 }
 
@@ -585,6 +606,7 @@ mod tests {
             series_points: 100,
             deferred_frees: false,
             windows: 0,
+            waste_at_peak: false,
         }
     }
 
@@ -611,6 +633,30 @@ mod tests {
                 "{name} is not a counter of DeviceStats"
             );
         }
+    }
+
+    /// `--waste-at-peak` keeps the breakdown read when the held memory last rose: a later
+    /// allocation that fits what is held does not replace it; without the option there is none.
+    #[test]
+    fn waste_is_read_at_the_peak_of_held_memory() {
+        use Action::*;
+        const M: u64 = 1 << 20;
+        let t = trace(vec![
+            ev(Alloc, 1, 3 * M),
+            ev(FreeCompleted, 1, 3 * M),
+            ev(Alloc, 2, M),
+        ]);
+        let run = |waste_at_peak| {
+            let mut b = SimBackend::new(1 << 40, gmlake_core::Config::default()).unwrap();
+            let o = ReplayOptions {
+                waste_at_peak,
+                ..opts(true)
+            };
+            replay(&t, &mut b, &o, &mut |_| {}).unwrap().waste_at_peak
+        };
+        let w = run(true).expect("a breakdown at the peak");
+        assert_eq!((w.reserved, w.active, w.tails), (4 * M, 3 * M, M), "{w:?}");
+        assert_eq!(run(false), None);
     }
 
     /// A free the trace shows waiting (its completion not right after its request) is made at

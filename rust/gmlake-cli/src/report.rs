@@ -39,6 +39,9 @@ pub struct Row {
     /// with their `total`, and the stitcher's counters (`replay::WINDOW_COUNTERS`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub driver_calls_windows: Option<Vec<Map<String, Value>>>,
+    /// `--waste-at-peak`: where the held memory sat at its peak (`waste::Waste`, bytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub waste_at_peak: Option<crate::waste::Waste>,
     /// Estimated host time of the driver calls (ms), from per-call costs measured on an H100
     /// (`cost.rs`): idle GPU and busy GPU, whole trace and second half.
     pub driver_ms_idle: Option<f64>,
@@ -251,6 +254,7 @@ impl Row {
                 .and_then(|c| per_1k(c.total(), second_events)),
             driver_calls_second_half: second.as_ref().map(|c| c.total()),
             driver_calls_windows: window_rows(&m.windows),
+            waste_at_peak: m.waste_at_peak,
             driver_ms_idle: est.map(|e| e.0),
             driver_ms_busy: est.map(|e| e.1),
             driver_ms_idle_second_half: est2.map(|e| e.0),
@@ -292,6 +296,9 @@ impl Row {
     pub fn notes(&self) -> Vec<String> {
         let at = format!("{} device {}", self.trace, self.device);
         let mut notes = Vec::new();
+        if let Some(w) = &self.waste_at_peak {
+            notes.push(format!("{at}: at the peak, {}", w.line()));
+        }
         if let Some(s) = &self.page_size_suggestion {
             let (tol, base) = (s.tolerance, self.utilization.unwrap_or(0.0));
             let base_ms = self.driver_ms_busy_second_half.unwrap_or(0.0);
@@ -539,6 +546,7 @@ mod tests {
             series: Series::default(),
             half_driver_calls: None,
             windows: Vec::new(),
+            waste_at_peak: None,
         }
     }
 
