@@ -85,6 +85,25 @@ def profile_rows(path: str):
     return rows
 
 
+def machine_rows(path: str) -> list:
+    """bench/machine_check.py's lines that run.sh wrote beside the results (machine.jsonl,
+    before and after each call's runs): the host's and GPUs' speed, so that tables of two calls
+    are compared only where the machine ran at the same speed (one four-GPU call ran every job
+    2.5x slower than the call before it)."""
+    p = os.path.join(os.path.dirname(os.path.abspath(path)), "machine.jsonl")
+    if not os.path.exists(p):
+        return []
+    rows = []
+    for r in report.load([p]):
+        if r.get("kind") != "machine_check":
+            continue
+        g = r.get("gpu_bf16_tflops") or []
+        rows.append([r.get("time", "?"), f"{r.get('host_loop_ms', 0):.1f}",
+                     f"{r.get('load_avg_1m', 0):.2f}",
+                     f"{min(g):.0f}-{max(g):.0f} ({len(g)} GPUs)" if g else "-"])
+    return rows
+
+
 def main(path: str) -> int:
     groups, search = OrderedDict(), {}
     for r in report.load([path]):
@@ -132,6 +151,12 @@ def main(path: str) -> int:
             [[a, f"{r.get('max_batch', '?')}"
                  + ("" if r.get("search_complete") else f" (>=; stopped: {r.get('stopped')})")]
              for a, r in search.items()])))
+    checks = machine_rows(path)
+    if checks:
+        print()
+        print("\n".join(report.table(
+            ["machine check", "host loop (ms)", "load (1 min)", "GPU bf16 TFLOP/s (slowest-fastest)"],
+            checks)))
     prof = profile_rows(path)
     if prof:
         print()

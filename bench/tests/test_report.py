@@ -603,3 +603,20 @@ def test_run_steps_splits_vmm_calls_from_event_calls(monkeypatch):
     times = common.run_steps(args, Wl(), 1, [None, None], "cpu", 0, calls, kinds, None, None, vmm)
     assert len(times) == 2 and calls == [20, 5] and vmm == [4, 0]
     assert common.vmm_calls(kinds) == 4 and kinds["record_event"] == 5
+
+
+def test_zero3_table_shows_the_machine_checks(tmp_path):
+    """run.sh's machine checks (machine.jsonl beside the results) get a table of their own:
+    the host's loop time, the load and the slowest and fastest GPU; none without the file."""
+    recs = [{"kind": "workload", "tag": "zero3-N", "allocator": "native", "ok": True, "median_step_s": 0.5,
+             "peak_active_bytes": GiB, "peak_reserved_bytes": 2 * GiB, "model": {"losses": [1.0]}}]
+    lines = _zero3_table(tmp_path, recs)
+    assert not any("machine check" in x for x in lines), lines
+    checks = [{"kind": "machine_check", "time": "2026-11-27T16:20:00", "host_loop_ms": 94.2,
+               "load_avg_1m": 0.5, "gpu_bf16_tflops": [780.1, 612.0, 779.5, 781.0]},
+              {"kind": "machine_check", "time": "2026-11-27T16:30:00", "host_loop_ms": 230.0,
+               "load_avg_1m": 3.25, "gpu_bf16_tflops": []}]
+    (tmp_path / "machine.jsonl").write_text("\n".join(json.dumps(c) for c in checks))
+    lines = _zero3_table(tmp_path, recs)
+    assert "| 2026-11-27T16:20:00 | 94.2 | 0.50 | 612-781 (4 GPUs) |" in lines, lines
+    assert "| 2026-11-27T16:30:00 | 230.0 | 3.25 | - |" in lines, lines
