@@ -635,6 +635,13 @@ mod tests {
         }
     }
 
+    /// `t` replayed through gmlake at its defaults on a 1 TiB simulated device.
+    fn replay_sim(t: &DeviceTrace, o: &ReplayOptions) -> (Measures, SimBackend) {
+        let mut b = SimBackend::new(1 << 40, gmlake_core::Config::default()).unwrap();
+        let m = replay(t, &mut b, o, &mut |_| {}).unwrap();
+        (m, b)
+    }
+
     /// `--waste-at-peak` keeps the breakdown read when the held memory last rose: a later
     /// allocation that fits what is held does not replace it; without the option there is none.
     #[test]
@@ -647,12 +654,11 @@ mod tests {
             ev(Alloc, 2, M),
         ]);
         let run = |waste_at_peak| {
-            let mut b = SimBackend::new(1 << 40, gmlake_core::Config::default()).unwrap();
             let o = ReplayOptions {
                 waste_at_peak,
                 ..opts(true)
             };
-            replay(&t, &mut b, &o, &mut |_| {}).unwrap().waste_at_peak
+            replay_sim(&t, &o).0.waste_at_peak
         };
         let w = run(true).expect("a breakdown at the peak");
         assert_eq!((w.reserved, w.active, w.tails), (4 * M, 3 * M, M), "{w:?}");
@@ -676,12 +682,11 @@ mod tests {
             ev(FreeCompleted, 2, M),
         ]);
         let replayed = |deferred_frees| {
-            let mut b = SimBackend::new(1 << 40, gmlake_core::Config::default()).unwrap();
             let o = ReplayOptions {
                 deferred_frees,
                 ..opts(true)
             };
-            let m = replay(&t, &mut b, &o, &mut |_| {}).unwrap();
+            let (m, b) = replay_sim(&t, &o);
             (m, b.summary(0))
         };
         let (m, ours) = replayed(true);

@@ -991,7 +991,7 @@ impl State {
                         // giving is then fenced (a refused wait leaves some unfenced).
                         let stream = self.arenas[aid as usize].key.stream;
                         self.wait_for_streams(dev, stream)?;
-                        if !self.unfenced_arenas(stream).any(|a| a.stealable_pages > 0) {
+                        if !self.has_unfenced_pages(stream) {
                             self.stats.reuses_after_wait += 1;
                             found = Some(r);
                         }

@@ -306,7 +306,7 @@ impl State {
             return Ok(None);
         }
         self.refresh_fences(dev, stream)?;
-        if takeable(self) >= fresh || !self.unfenced_arenas(stream).any(|a| a.stealable_pages > 0) {
+        if takeable(self) >= fresh || !self.has_unfenced_pages(stream) {
             return Ok(None);
         }
         Ok(self.find_reuse(aid, size, 0, true).0)
@@ -352,6 +352,12 @@ impl State {
         self.arenas.iter().filter(move |a| {
             a.key.stream != stream && self.pool_may_give(a) && !self.may_give(a, stream)
         })
+    }
+
+    /// Whether some other stream's free blocks hold pages that `stream` may not take yet (a
+    /// wait for those streams would give it more). O(arenas).
+    pub(super) fn has_unfenced_pages(&self, stream: StreamId) -> bool {
+        self.unfenced_arenas(stream).any(|a| a.stealable_pages > 0)
     }
 
     /// Takeable pages of other streams' free blocks that arena `aid` may not take yet. For
