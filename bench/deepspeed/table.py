@@ -49,6 +49,26 @@ def step(runs):
     return (statistics.median(steps), min(steps), max(steps), len(steps)) if steps else None
 
 
+def pooled(runs):
+    """(median of every measured step of the runs, steps) or None: with few runs of 5 steps
+    each, a slow run moves the median of the runs' medians by its whole difference, where it
+    moves the median of all steps by one step's."""
+    steps = [t for r in runs if r.get("ok") for t in (r.get("step_times_s") or [])]
+    return (statistics.median(steps), len(steps)) if steps else None
+
+
+def merged_label(alloc: str) -> str:
+    """`--merge`: native2 is native's second run, and host_timing only times gmlake's calls
+    (no decision changes), so their runs join those rows."""
+    if alloc == "native2":
+        return "native"
+    if alloc.startswith("gmlake+"):
+        keys = [kv for kv in alloc[len("gmlake+"):].split(",") if kv]
+        if keys and all(kv.replace(" ", "") == "host_timing:1" for kv in keys):
+            return "gmlake"
+    return alloc
+
+
 def per_step(runs, key):
     """The median over the runs of their `key` (a per-run median), or "-" when none has it."""
     vals = [r[key] for r in runs if r.get("ok") and r.get(key) is not None]
@@ -85,16 +105,18 @@ def profile_rows(path: str):
     return rows
 
 
-def machine_rows(path: str) -> list:
+def machine_rows(paths) -> list:
     """bench/machine_check.py's lines that run.sh wrote beside the results (machine.jsonl,
     before and after each call's runs): the host's and GPUs' speed, so that tables of two calls
     are compared only where the machine ran at the same speed (one four-GPU call ran every job
     2.5x slower than the call before it)."""
-    p = os.path.join(os.path.dirname(os.path.abspath(path)), "machine.jsonl")
-    if not os.path.exists(p):
-        return []
+    files = []
+    for path in paths:
+        p = os.path.join(os.path.dirname(os.path.abspath(path)), "machine.jsonl")
+        if os.path.exists(p) and p not in files:
+            files.append(p)
     rows = []
-    for r in report.load([p]):
+    for r in report.load(files) if files else []:
         if r.get("kind") != "machine_check":
             continue
         g = r.get("gpu_bf16_tflops") or []
@@ -104,11 +126,14 @@ def machine_rows(path: str) -> list:
     return rows
 
 
-def main(path: str) -> int:
+def main(*paths: str, merge: bool = False) -> int:
+    """The tables of the results files `paths` (several calls' files read as one); `merge`
+    joins the runs of native2 to native's and of gmlake+host_timing:1 to gmlake's."""
     groups, search = OrderedDict(), {}
-    for r in report.load([path]):
+    for r in report.load(list(paths)):
         if r.get("kind") == "workload":
-            groups.setdefault((r.get("tag", ""), r["allocator"]), []).append(r)
+            a = merged_label(r["allocator"]) if merge else r["allocator"]
+            groups.setdefault((r.get("tag", ""), a), []).append(r)
         elif r.get("kind") == "max_batch":
             search[r["allocator"]] = r
 
@@ -117,12 +142,14 @@ def main(path: str) -> int:
         strat = tag.replace("zero3-", "")
         base = [step(groups[(tag, a)]) for a in BASELINES if (tag, a) in groups]
         best = min((b[0] for b in base if b), default=None)
+        base_all = [pooled(groups[(tag, a)]) for a in BASELINES if (tag, a) in groups]
+        best_all = min((b[0] for b in base_all if b), default=None)
         ref = next((r.get("model", {}).get("losses") for r in groups.get((tag, "native"), [])
                     if r.get("ok")), None)
         ok = [r for r in runs if r.get("ok")]
         timed = step(ok)
         if timed is None:
-            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 8)
+            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 10)
             continue
         notes = {losses_note(ref, r.get("model", {}).get("losses")) for r in ok}
         same = "yes" if notes == {"yes"} else "; ".join(sorted(n for n in notes if n != "yes"))
@@ -130,18 +157,23 @@ def main(path: str) -> int:
                     if r.get("peak_reserved_bytes")), default=None)
         m, lo, hi, n = timed
         spread = f" ({lo * 1e3:.0f}-{hi * 1e3:.0f})" if n > 1 else ""
+        all_steps = pooled(ok)
         failed = f" ({len(runs) - len(ok)} failed)" if len(ok) < len(runs) else ""
         rows.append([strat, alloc, f"{len(runs)}{failed}",
                      report.gib(max(r.get("peak_active_bytes", 0) for r in ok)),
                      report.gib(max(r.get("peak_reserved_bytes", 0) for r in ok)),
                      report.fnum(util), f"{m * 1e3:.0f} ms{spread}",
-                     report.fnum(m / best if best else None), same,
+                     report.fnum(m / best if best else None),
+                     f"{all_steps[0] * 1e3:.0f} ms ({all_steps[1]})" if all_steps else "-",
+                     report.fnum(all_steps[0] / best_all if all_steps and best_all else None),
+                     same,
                      per_step(ok, "median_driver_calls_per_step"),
                      per_step(ok, "median_vmm_calls_per_step"),
                      per_step(ok, "median_allocator_ms_per_step")])
     print("\n".join(report.table(
         ["strategy", "allocator", "runs", "peak active", "peak reserved", "utilization",
-         "median step (spread)", "vs faster baseline", "losses equal native's",
+         "median step (spread)", "vs faster baseline", "median of all steps (steps)",
+         "vs faster baseline, all steps", "losses equal native's",
          "driver calls a step", "of them VMM (map, unmap, access, create, release)",
          "allocator ms a step"], rows)))
     if search:
@@ -151,13 +183,13 @@ def main(path: str) -> int:
             [[a, f"{r.get('max_batch', '?')}"
                  + ("" if r.get("search_complete") else f" (>=; stopped: {r.get('stopped')})")]
              for a, r in search.items()])))
-    checks = machine_rows(path)
+    checks = machine_rows(paths)
     if checks:
         print()
         print("\n".join(report.table(
             ["machine check", "host loop (ms)", "load (1 min)", "GPU bf16 TFLOP/s (slowest-fastest)"],
             checks)))
-    prof = profile_rows(path)
+    prof = [row for path in paths for row in profile_rows(path)]
     if prof:
         print()
         print("\n".join(report.table(
@@ -167,4 +199,10 @@ def main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="results.jsonl files (several calls' read as one)")
+    ap.add_argument("--merge", action="store_true",
+                    help="join native2's runs to native's and gmlake+host_timing:1's to gmlake's")
+    a = ap.parse_args()
+    sys.exit(main(*a.results, merge=a.merge))

@@ -620,3 +620,46 @@ def test_zero3_table_shows_the_machine_checks(tmp_path):
     lines = _zero3_table(tmp_path, recs)
     assert "| 2026-11-27T16:20:00 | 94.2 | 0.50 | 612-781 (4 GPUs) |" in lines, lines
     assert "| 2026-11-27T16:30:00 | 230.0 | 3.25 | - |" in lines, lines
+
+
+def test_zero3_table_pools_steps_and_merges_runs(tmp_path):
+    """The median of every measured step beside the median of the runs' medians (one slow run
+    moves the first by one step, the second by the whole run); with --merge, native2's runs join
+    native's and gmlake+host_timing:1's join gmlake's (other gmlake settings stay apart); several
+    calls' result files read as one."""
+    sys.path.insert(0, str(BENCH / "deepspeed"))
+    import contextlib
+    import io
+
+    import table
+
+    def run(a, steps):
+        return {"kind": "workload", "tag": "zero3-LR", "allocator": a, "ok": True,
+                "median_step_s": sorted(steps)[len(steps) // 2], "step_times_s": steps,
+                "peak_active_bytes": 9 * GiB, "peak_reserved_bytes": 10 * GiB, "model": {"losses": [1.0]}}
+    first = [run("native", [1.0, 1.0, 1.0]), run("gmlake+host_timing:1", [1.1, 1.1, 1.1])]
+    second = [run("native2", [2.0, 2.0, 2.0]), run("gmlake", [1.1, 1.1, 3.0]),
+              run("gmlake+page_size:8MiB", [0.5, 0.5, 0.5])]
+    p1, p2 = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    p1.write_text("\n".join(json.dumps(r) for r in first))
+    p2.write_text("\n".join(json.dumps(r) for r in second))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert table.main(str(p1), str(p2), merge=True) == 0
+    lines = buf.getvalue().splitlines()
+    assert "median of all steps (steps)" in lines[0], lines[0]
+    rows = [x for x in lines if x.startswith("| LR | ")]
+    assert len(rows) == 3, rows  # native (2 runs), gmlake (2 runs), gmlake+page_size:8MiB
+    n = next(x for x in rows if x.startswith("| LR | native |"))
+    # Runs' medians 1.0 and 2.0: their median 1.5 s; all six steps' median 1.5 s too.
+    assert "| 2 |" in n and "1500 ms (1000-2000)" in n and "1500 ms (6)" in n, n
+    g = next(x for x in rows if x.startswith("| LR | gmlake |"))
+    # Runs' medians 1.1 and 1.1; all steps 1.1 (x5) and 3.0: 1.1 s, 0.733 of native's 1.5 s.
+    assert "| 2 |" in g and "1100 ms (1100-1100)" in g and "1100 ms (6)" in g, g
+    assert g.count("0.733") == 2, g
+    assert any(x.startswith("| LR | gmlake+page_size:8MiB |") for x in rows), rows
+    # Without --merge each label keeps its row.
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert table.main(str(p1), str(p2)) == 0
+    assert len([x for x in buf.getvalue().splitlines() if x.startswith("| LR | ")]) == 5
