@@ -13,7 +13,8 @@ tolerance (2%: issue 13's bar) for any workload, 2 on bad input.
 
 Each argument is TRACE[=GPU]. GPU is a `.gpu.json` (tests/traces' format: {"runs": {allocator:
 record}}) or a results `.jsonl` written by bench/workloads (one record per run, by "allocator";
-the last run of each allocator counts; `runs.jsonl#TAG` keeps the records of that tag, e.g.
+the last run of each allocator counts, and a `gmlake+host_timing:1` run stands for gmlake's
+where there is none; `runs.jsonl#TAG` keeps the records of that tag, e.g.
 `$OUT/zero3/results.jsonl#zero3-LR` for one strategy of bench/deepspeed/run.sh); without it,
 TRACE's name with `.gpu.json` in place of `.pickle[.gz]` is used. `--set key=value` passes allocator settings to the replay (the GPU run
 must have used the same).
@@ -98,7 +99,9 @@ def check(trace: Path, gpu: str, gmlake: str, args: List[str]) -> dict:
     if tag and gpu_path.suffix != ".jsonl":
         raise BadInput(f"{gpu}: #TAG applies to a results .jsonl only")
     runs = load_gpu(gpu_path, tag)
-    g = runs.get("gmlake")
+    # host_timing only times gmlake's calls (no decision changes): such a run counts as gmlake's
+    # where there is no plain one.
+    g = runs.get("gmlake") or runs.get("gmlake+host_timing:1")
     if g is None:
         raise BadInput(f"{gpu_path}: no gmlake run (allocators there: {', '.join(runs) or 'none'})")
     if not g.get("peak_reserved_bytes"):

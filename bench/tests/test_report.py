@@ -405,6 +405,17 @@ def test_gpu_check_sets_the_replay_against_the_gpu(tmp_path, capsys):
     capsys.readouterr()
     assert gc.main([f"{trace}={res}#zero3-R", "--gmlake", str(fake)]) == 2
     assert "no successful run tagged 'zero3-R'" in capsys.readouterr().err
+    # A gmlake run with host_timing:1 (run.sh's `gmlake+host_timing:1`) is gmlake's when there
+    # is no plain one, and a plain one comes first.
+    timed = dict(gpu["runs"]["gmlake"], allocator="gmlake+host_timing:1", kind="workload", ok=True)
+    res.write_text("\n".join([json.dumps(dict(gpu["runs"]["native"], allocator="native",
+                                               kind="workload", ok=True)), json.dumps(timed)]))
+    assert gc.main([f"{trace}={res}", "--gmlake", str(fake), "--tolerance", "0.05"]) == 0
+    assert "(+3.0%)" in capsys.readouterr().out
+    res.write_text("\n".join([json.dumps(timed), json.dumps(dict(other, allocator="gmlake",
+                                                                 kind="workload", ok=True))]))
+    assert gc.main([f"{trace}={res}", "--gmlake", str(fake), "--tolerance", "0.05"]) == 1
+    capsys.readouterr()
     # Bad input: no gmlake run, unreadable figures, a bad tolerance.
     (tmp_path / "nog.gpu.json").write_text(json.dumps({"runs": {"native": {}}}))
     (tmp_path / "nog.pickle").write_bytes(b"")

@@ -562,6 +562,13 @@ fn replay_predicts_the_gpu_for_the_four_rank_zero3_job() {
     replay_predicts_the_gpu("zero3-r-4gpu-rank0");
 }
 
+/// Full fine-tuning without recomputation, rank 0 of four (H200s; issue 17): a 50 GiB peak on
+/// three streams, and the replay predicts the GPU's reserved memory (0.998 both).
+#[test]
+fn replay_predicts_the_gpu_for_the_four_rank_zero3_n_job() {
+    replay_predicts_the_gpu("zero3-n-4gpu-rank0");
+}
+
 /// Full fine-tuning with recomputation, rank 0 of two (H200s; issue 17): the job where gmlake
 /// still re-stitches every step (about 700 VMM calls a step on the GPU with the default's
 /// 8 MiB pages, 1,500 with 4 MiB); the replay predicts the GPU's reserved memory with either
