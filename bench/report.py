@@ -62,6 +62,19 @@ UNITS = {"llm_lora": "sequences", "fsdp_offload": "sequences", "moe": "x1024 tok
 # Loading
 
 
+def decision_label(allocator: str) -> str:
+    """The allocator whose decisions a run's label names: native2 is native's second run, and
+    gmlake with nothing but `host_timing:1` (which times its calls and changes no decision) is
+    gmlake; any other label is its own."""
+    if allocator == "native2":
+        return "native"
+    if allocator.startswith("gmlake+"):
+        keys = [kv for kv in allocator[len("gmlake+"):].split(",") if kv]
+        if keys and all(kv.replace(" ", "") == "host_timing:1" for kv in keys):
+            return "gmlake"
+    return allocator
+
+
 def load(paths: Iterable[str]) -> List[Dict[str, Any]]:
     recs = []
     for path in paths:

@@ -57,18 +57,6 @@ def pooled(runs):
     return (statistics.median(steps), len(steps)) if steps else None
 
 
-def merged_label(alloc: str) -> str:
-    """`--merge`: native2 is native's second run, and host_timing only times gmlake's calls
-    (no decision changes), so their runs join those rows."""
-    if alloc == "native2":
-        return "native"
-    if alloc.startswith("gmlake+"):
-        keys = [kv for kv in alloc[len("gmlake+"):].split(",") if kv]
-        if keys and all(kv.replace(" ", "") == "host_timing:1" for kv in keys):
-            return "gmlake"
-    return alloc
-
-
 def per_step(runs, key):
     """The median over the runs of their `key` (a per-run median), or "-" when none has it."""
     vals = [r[key] for r in runs if r.get("ok") and r.get(key) is not None]
@@ -132,7 +120,7 @@ def main(*paths: str, merge: bool = False) -> int:
     groups, search = OrderedDict(), {}
     for r in report.load(list(paths)):
         if r.get("kind") == "workload":
-            a = merged_label(r["allocator"]) if merge else r["allocator"]
+            a = report.decision_label(r["allocator"]) if merge else r["allocator"]
             groups.setdefault((r.get("tag", ""), a), []).append(r)
         elif r.get("kind") == "max_batch":
             search[r["allocator"]] = r
