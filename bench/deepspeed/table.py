@@ -13,7 +13,10 @@ gmlake's rows also give its driver calls a step and, when it ran with `host_timi
 (`ALLOCATORS="gmlake+host_timing:1"`), the allocator's own time a step (allocations and frees,
 driver calls included): the medians over the timed steps, then over the runs. That time is an
 upper bound of what the allocator can add to a step, read in the job itself, and far less
-noisy than the step: runs of one allocator differ by 10-30% on these jobs.
+noisy than the step: runs of one allocator differ by 10-30% on these jobs. The last column is
+gmlake's slowest allocation or free of any timed step, split into the wait for the allocator's
+lock, its driver calls and the slowest of them (the rest is the core's own work): one N run on
+four H200s had a step in which two ranks each spent 628 ms in gmlake's calls.
 
 Runs made with `EXTRA_ARGS="--profile-step N"` get a second table, one row per run and rank
 (rank 0 from the results file, rank k from its `.rankK` sibling): the profiled step's wall
@@ -64,6 +67,21 @@ def per_step(runs, key):
         return "-"
     m = statistics.median(vals)
     return f"{m:,.0f}" if m >= 100 else f"{m:.1f}"
+
+
+def largest_call(runs) -> str:
+    """gmlake's slowest allocation or free over the runs' timed steps (`slow_calls_per_step`,
+    with `host_timing:1`) and where its time went: the wait for the allocator's lock, the
+    driver calls and the slowest of them; "-" without the figures."""
+    big = [st["largest"] for r in runs if r.get("ok") for st in (r.get("slow_calls_per_step") or [])
+           if st.get("largest")]
+    if not big:
+        return "-"
+    b = max(big, key=lambda x: x["ms"])
+    slowest = (f": {b['slowest_driver']} {b['slowest_driver_ms']:,.1f}"
+               if b.get("slowest_driver") else "")
+    return (f"{b['ms']:,.1f} ms {b['op']} (lock {b.get('lock_wait_ms', 0):,.1f}, "
+            f"driver {b.get('driver_ms', 0):,.1f} in {b.get('driver_calls', 0)} calls{slowest})")
 
 
 def _top(items, n=3):
@@ -137,7 +155,7 @@ def main(*paths: str, merge: bool = False) -> int:
         ok = [r for r in runs if r.get("ok")]
         timed = step(ok)
         if timed is None:
-            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 10)
+            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 11)
             continue
         notes = {losses_note(ref, r.get("model", {}).get("losses")) for r in ok}
         same = "yes" if notes == {"yes"} else "; ".join(sorted(n for n in notes if n != "yes"))
@@ -157,13 +175,13 @@ def main(*paths: str, merge: bool = False) -> int:
                      same,
                      per_step(ok, "median_driver_calls_per_step"),
                      per_step(ok, "median_vmm_calls_per_step"),
-                     per_step(ok, "median_allocator_ms_per_step")])
+                     per_step(ok, "median_allocator_ms_per_step"), largest_call(ok)])
     print("\n".join(report.table(
         ["strategy", "allocator", "runs", "peak active", "peak reserved", "utilization",
          "median step (spread)", "vs faster baseline", "median of all steps (steps)",
          "vs faster baseline, all steps", "losses equal native's",
          "driver calls a step", "of them VMM (map, unmap, access, create, release)",
-         "allocator ms a step"], rows)))
+         "allocator ms a step", "slowest gmlake call (where its time went)"], rows)))
     if search:
         print()
         print("\n".join(report.table(

@@ -317,15 +317,22 @@ def test_zero3_table_gives_driver_calls_and_allocator_time(tmp_path):
     recs = [run("native", 0.5), run("gmlake+host_timing:1", 0.6, 2400, 80.0),
             run("gmlake+host_timing:1", 0.6, 2600, 100.5), run("gmlake+host_timing:1", 0.6, 5000, 60.0),
             run("gmlake", 0.6, 3000)]
+    # The slowest call of any step of any run, with its split.
+    def largest(ms, slowest):
+        return {"largest": {"op": "alloc", "size": 1, "ms": ms, "lock_wait_ms": 0.5, "driver_ms": ms - 1,
+                            "driver_calls": 12, "slowest_driver": slowest, "slowest_driver_ms": ms - 2}}
+    recs[1]["slow_calls_per_step"] = [largest(3.0, "map"), {"count": 0}, largest(628.0, "unmap")]
+    recs[2]["slow_calls_per_step"] = [largest(40.0, "create_physical")]
     lines = _zero3_table(tmp_path, recs)
     assert "driver calls a step" in lines[0] and "allocator ms a step" in lines[0], lines[0]
-    assert "of them VMM" in lines[0], lines[0]
+    assert "of them VMM" in lines[0] and "slowest gmlake call" in lines[0], lines[0]
     g = next(x for x in lines if x.startswith("| R | gmlake+host_timing:1"))
-    assert g.rstrip().endswith("| 2,600 | 130 | 80.0 |"), g
+    assert g.rstrip().endswith(
+        "| 2,600 | 130 | 80.0 | 628.0 ms alloc (lock 0.5, driver 627.0 in 12 calls: unmap 626.0) |"), g
     plain = next(x for x in lines if x.startswith("| R | gmlake |"))
-    assert plain.rstrip().endswith("| 3,000 | 150 | - |"), plain
+    assert plain.rstrip().endswith("| 3,000 | 150 | - | - |"), plain
     n = next(x for x in lines if x.startswith("| R | native"))
-    assert n.rstrip().endswith("| - | - | - |"), n
+    assert n.rstrip().endswith("| - | - | - | - |"), n
 
 
 def test_zero3_table_lists_profiled_steps_per_rank(tmp_path):
@@ -565,8 +572,45 @@ def test_slow_calls_go_on_the_timeline():
         ("gmlake alloc 3 MiB", 5000.0, 120.0), ("gmlake free", 9000.0, 60.0)]
     assert all(e["pid"] == 42 and e["tid"] == common.SLOW_CALLS_TID for e in added)
     assert common.add_slow_calls({"traceEvents": []}, calls, pid=42) == 0, "no base time"
-    assert common.slow_calls_summary(calls) == {"count": 2, "ms": 0.18, "largest_ms": 0.12}
-    assert common.slow_calls_summary([]) == {"count": 0, "ms": 0, "largest_ms": 0}
+    # Snapshots from before the split (no lock_wait_ns, driver_ns, ...) still sum up.
+    old = common.slow_calls_summary(calls)
+    assert {k: old[k] for k in ("count", "ms", "largest_ms", "lock_wait_ms", "driver_ms")} == {
+        "count": 2, "ms": 0.18, "largest_ms": 0.12, "lock_wait_ms": 0, "driver_ms": 0}
+    assert old["largest"]["op"] == "alloc" and old["largest"]["slowest_driver"] == ""
+    assert common.slow_calls_summary([]) == {"count": 0, "ms": 0, "largest_ms": 0,
+                                             "lock_wait_ms": 0, "driver_ms": 0}
+    # Where the time went: lock waits and driver time summed, the largest call split.
+    split = [dict(calls[0], lock_wait_ns=1_000, driver_ns=100_000, driver_calls=6,
+                  slowest_driver="unmap", slowest_driver_ns=90_000),
+             dict(calls[1], lock_wait_ns=50_000, driver_ns=0, driver_calls=0,
+                  slowest_driver="", slowest_driver_ns=0)]
+    assert common.slow_calls_summary(split) == {
+        "count": 2, "ms": 0.18, "largest_ms": 0.12, "lock_wait_ms": 0.051, "driver_ms": 0.1,
+        "largest": {"op": "alloc", "size": 3 << 20, "ms": 0.12, "lock_wait_ms": 0.001,
+                    "driver_ms": 0.1, "driver_calls": 6, "slowest_driver": "unmap",
+                    "slowest_driver_ms": 0.09}}
+    # A run's steps, each with its own slow calls, read from one snapshot; none without
+    # host_timing, or where gmlake is not there.
+    import types
+    fake = types.ModuleType("gmlake")
+    fake.snapshot = lambda device: dict(snap, config={"host_timing": "1"})
+    saved = sys.modules.get("gmlake")
+    sys.modules["gmlake"] = fake
+    try:
+        steps = common.slow_calls_per_step("cuda", [(base, base + 10_000_000),
+                                                    (base + 10_000_000, base + 100_000_000)])
+        assert [x["count"] for x in steps] == [2, 1] and steps[1]["largest_ms"] == 0.07, steps
+        fake.snapshot = lambda device: dict(snap, config={"host_timing": "0"})
+        assert common.slow_calls_per_step("cuda", [(base, base + 1)]) is None
+        def broken(device):
+            raise RuntimeError("gmlake is not enabled in this process")
+        fake.snapshot = broken
+        assert common.slow_calls_per_step("cuda", [(base, base + 1)]) is None
+    finally:
+        if saved is None:
+            del sys.modules["gmlake"]
+        else:
+            sys.modules["gmlake"] = saved
     # Only a snapshot taken with host_timing:1 has recorded them.
     assert common.records_slow_calls({"config": {"host_timing": "1"}})
     assert not common.records_slow_calls({"config": {"host_timing": "0"}})

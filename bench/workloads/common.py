@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ALLOCATORS = ("auto", "native", "expandable", "gmlake")
 MiB = 1 << 20
@@ -435,9 +435,38 @@ def add_slow_calls(trace: Dict[str, Any], calls: List[dict], pid: int) -> int:
 
 
 def slow_calls_summary(calls: List[dict]) -> Dict[str, Any]:
-    """Count, total and largest of gmlake's slow calls, in ms."""
+    """Count, total and largest of gmlake's slow calls, in ms; where their time went (the
+    allocator's lock waited for, driver calls: ``gmlake_core::calltime``; the rest is the
+    core's own work); and the largest call with its own split and slowest driver call."""
     ms = [c["ns"] / 1e6 for c in calls]
-    return {"count": len(ms), "ms": round(sum(ms), 3), "largest_ms": round(max(ms, default=0), 3)}
+    out = {"count": len(ms), "ms": round(sum(ms), 3), "largest_ms": round(max(ms, default=0), 3),
+           "lock_wait_ms": round(sum(c.get("lock_wait_ns", 0) for c in calls) / 1e6, 3),
+           "driver_ms": round(sum(c.get("driver_ns", 0) for c in calls) / 1e6, 3)}
+    if calls:
+        big = max(calls, key=lambda c: c["ns"])
+        out["largest"] = {"op": big.get("op", "?"), "size": big.get("size", 0),
+                          "ms": round(big["ns"] / 1e6, 3),
+                          "lock_wait_ms": round(big.get("lock_wait_ns", 0) / 1e6, 3),
+                          "driver_ms": round(big.get("driver_ns", 0) / 1e6, 3),
+                          "driver_calls": big.get("driver_calls", 0),
+                          "slowest_driver": big.get("slowest_driver", ""),
+                          "slowest_driver_ms": round(big.get("slowest_driver_ns", 0) / 1e6, 3)}
+    return out
+
+
+def slow_calls_per_step(device: str, windows: List[Tuple[int, int]]) -> Optional[List[dict]]:
+    """`slow_calls_summary` of each step in `windows` (its start and end, Unix ns), read from
+    gmlake's snapshot once; None when gmlake does not keep its slow calls (not gmlake, or no
+    ``host_timing:1``)."""
+    try:
+        import gmlake
+
+        snap = gmlake.snapshot(device)
+    except Exception:  # noqa: BLE001 - not gmlake, or no snapshot: nothing to split
+        return None
+    if not records_slow_calls(snap):
+        return None
+    return [slow_calls_summary(slow_calls_between(snap, b, e)) for b, e in windows]
 
 
 def profiled_step(args, wl, batch: int, shape: dict, device: str, n: int,
@@ -490,12 +519,14 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
               kinds_out: Optional[Dict[str, int]] = None,
               host_ms_out: Optional[List[float]] = None,
               profile_out: Optional[Dict[str, Any]] = None,
-              vmm_out: Optional[List[int]] = None) -> List[float]:
+              vmm_out: Optional[List[int]] = None,
+              windows_out: Optional[List[Tuple[int, int]]] = None) -> List[float]:
     """Runs the steps; times the ones from `timed_from`. With `calls_out`, appends gmlake's
     driver calls made by each timed step (read between steps, outside the timing); with
     `kinds_out`, adds them up by kind over the timed steps; with `vmm_out`, appends the VMM
     calls among them (`VMM_KINDS`) step by step; with `host_ms_out`, appends the
-    milliseconds each timed step spent in gmlake's allocations and frees (`host_timing`).
+    milliseconds each timed step spent in gmlake's allocations and frees (`host_timing`);
+    with `windows_out`, each timed step's start and end (Unix ns), to find its slow calls.
     With `profile_out` and `--profile-step N`, the N-th timed step runs under torch.profiler
     (`profiled_step`), is not timed, and its summary goes to `profile_out`."""
     times = []
@@ -508,12 +539,15 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
             profile_out.update(profiled_step(args, wl, batch, shape, device, i - timed_from))
             continue
         before = driver_calls_by_kind() if calls_out is not None and i >= timed_from else None
+        begin_ns = time.time_ns()
         t0 = time.perf_counter()
         wl.step(batch, shape)
         sync(device)
         dt = time.perf_counter() - t0
         if i >= timed_from:
             times.append(dt)
+            if windows_out is not None:
+                windows_out.append((begin_ns, time.time_ns()))
             if before is not None:
                 after = driver_calls_by_kind()
                 if after is not None:
@@ -540,14 +574,20 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
         host_ms: List[float] = []
         prof: Dict[str, Any] = {}
         vmm: List[int] = []
+        windows: List[Tuple[int, int]] = []
         times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls, kinds,
-                          host_ms, prof, vmm)
+                          host_ms, prof, vmm, windows)
         if prof:
             rec["profile"] = prof
         if host_ms:
-            # `host_timing`: the allocator's own time in each step, and its median.
+            # `host_timing`: the allocator's own time in each step, and its median; and each
+            # step's slow calls (50 µs or more), with where their time went: one ZeRO-3 step
+            # had two ranks spend 628 ms in gmlake's calls, and only the split says why.
             rec["allocator_ms_per_step"] = [round(x, 3) for x in host_ms]
             rec["median_allocator_ms_per_step"] = statistics.median(host_ms)
+            per_step = slow_calls_per_step(args.device, windows)
+            if per_step is not None:
+                rec["slow_calls_per_step"] = per_step
         if calls:
             rec["driver_calls_per_step"] = calls
             # Over all timed steps, by kind: what the replay's cost model (cost.rs) is

@@ -456,7 +456,10 @@ def snapshot(device=None) -> Dict[str, Any]:
     ``stitched`` flags, page counts, the page size and the configuration; with
     ``host_timing:1``, ``slow_calls``: the last 65,536 allocations and frees that took 50 µs
     or more (``start_unix_ns``, ``ns``, ``op``, ``size``), to place on a profiler's timeline
-    (bench/workloads/common.py does for ``--profile-step``). (PyTorch's own
+    (bench/workloads/common.py does for ``--profile-step``), with where their time went
+    (``lock_wait_ns`` waiting for the allocator's lock, ``driver_ns`` in ``driver_calls``
+    driver calls, the slowest of them ``slowest_driver`` and ``slowest_driver_ns``; the rest
+    is the allocator's own work). (PyTorch's own
     ``torch.cuda.memory._snapshot()`` works too and includes history.)"""
     if not is_enabled():
         raise RuntimeError("gmlake is not enabled in this process (call gmlake.enable() first)")

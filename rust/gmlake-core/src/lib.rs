@@ -13,6 +13,7 @@ mod aliasmap;
 pub mod allocator;
 mod arena;
 mod blockmap;
+pub mod calltime;
 pub mod config;
 pub mod contract;
 pub mod cost;

@@ -360,3 +360,59 @@ fn a_page_upgrade_to_no_larger_page_names_the_key() {
         }
     }
 }
+
+/// `host_timing`: every driver call an allocation or a free makes is timed for the calling
+/// thread (`gmlake_core::calltime`), as many as the statistics count, and none without it; a
+/// call made while another thread holds the lock notes its wait.
+#[test]
+fn host_timing_times_every_driver_call_of_a_call_and_the_wait_for_the_lock() {
+    use gmlake_core::calltime;
+    let total = |a: &Allocator<Arc<SimDevice>>| a.stats().driver_calls.total();
+    let cfg = Config {
+        host_timing: true,
+        ..Config::default()
+    };
+    let (_, a) = setup(8 << 30, cfg);
+    // New memory, new memory, a hit of the freed 100 MiB (no driver call).
+    for (size, fresh) in [(3 * PAGE, true), (100 * MIB, true), (7 * MIB, false)] {
+        let before = total(&a);
+        calltime::reset();
+        let p = a.allocate(size, 0).unwrap();
+        let t = calltime::take();
+        assert_eq!(t.driver_calls, total(&a) - before, "{size}: {t:?}");
+        assert_eq!(t.driver_calls > 0, fresh, "{size}: {t:?}");
+        assert_eq!(t.slowest_driver.is_empty(), !fresh, "{t:?}");
+        assert!(
+            t.slowest_driver_ns <= t.driver_ns && t.lock_wait_ns == 0,
+            "{t:?}"
+        );
+        let before = total(&a);
+        a.free(p).unwrap();
+        assert_eq!(calltime::take().driver_calls, total(&a) - before);
+    }
+    let (_, off) = setup(8 << 30, Config::default());
+    calltime::reset();
+    off.allocate(100 * MIB, 0).unwrap();
+    assert_eq!(calltime::take(), calltime::CallTime::default());
+    // Another thread holds the lock (a large allocation: thousands of pages created, then
+    // released) while this one allocates: the wait is noted. Tried until the two overlap.
+    let a = Arc::new(a);
+    for _ in 0..200 {
+        let other = a.clone();
+        let holder = std::thread::spawn(move || {
+            let p = other.allocate(6 << 30, 1).unwrap();
+            other.free(p).unwrap();
+            other.empty_cache().unwrap(); // the next try creates its pages again
+        });
+        std::thread::sleep(std::time::Duration::from_micros(200));
+        calltime::reset();
+        let p = a.allocate(MIB, 0).unwrap();
+        let t = calltime::take();
+        a.free(p).unwrap();
+        holder.join().unwrap();
+        if t.lock_wait_ns > 0 {
+            return;
+        }
+    }
+    panic!("no call waited for the lock in 200 tries");
+}

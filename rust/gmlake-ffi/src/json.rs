@@ -119,17 +119,22 @@ pub fn stats(s: &DeviceStats, extra: &[(&str, u64)]) -> String {
 
 /// The core's snapshot with gmlake's own fields (stitched flags, pages, page size, config).
 /// An allocation or free that took at least 50 µs (`host_timing`): when it began (Unix
-/// time), how long it took, and the request's size (0 for a free).
+/// time), how long it took, the request's size (0 for a free), and where the time went
+/// (`gmlake_core::calltime`: the wait for the allocator's lock, the driver calls, the
+/// slowest of them; the rest is the core's own work).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SlowCall {
     pub start_unix_ns: u64,
     pub ns: u64,
     pub alloc: bool,
     pub size: u64,
+    pub time: gmlake_core::calltime::CallTime,
 }
 
 /// gmlake's view of a device's memory; with `host_timing`, also its slow calls
-/// (`slow_calls`: `start_unix_ns`, `ns`, `op` ("alloc" or "free"), `size`).
+/// (`slow_calls`: `start_unix_ns`, `ns`, `op` ("alloc" or "free"), `size`, `lock_wait_ns`,
+/// `driver_ns`, `driver_calls`, `slowest_driver` (a kind of `driver_calls`, "" if none),
+/// `slowest_driver_ns`).
 pub fn snapshot(s: &Snapshot, slow: &[SlowCall]) -> String {
     let mut out = String::with_capacity(256 + 256 * s.segments.len());
     let mut o = Obj::new(&mut out);
@@ -181,6 +186,11 @@ pub fn snapshot(s: &Snapshot, slow: &[SlowCall]) -> String {
         co.num("ns", c.ns);
         co.str("op", if c.alloc { "alloc" } else { "free" });
         co.num("size", c.size);
+        co.num("lock_wait_ns", c.time.lock_wait_ns);
+        co.num("driver_ns", c.time.driver_ns);
+        co.num("driver_calls", c.time.driver_calls);
+        co.str("slowest_driver", c.time.slowest_driver);
+        co.num("slowest_driver_ns", c.time.slowest_driver_ns);
         co.end();
     });
     o.end();

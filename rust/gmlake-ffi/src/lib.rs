@@ -525,9 +525,11 @@ impl HostTiming {
         let Some(t) = timing else {
             return f();
         };
+        gmlake_core::calltime::reset();
         let t0 = std::time::Instant::now();
         let out = f();
         let ns = t0.elapsed().as_nanos() as u64;
+        let time = gmlake_core::calltime::take();
         let (total, calls) = if alloc {
             (&t.alloc_ns, &t.alloc_calls)
         } else {
@@ -546,6 +548,7 @@ impl HostTiming {
                 ns,
                 alloc,
                 size,
+                time,
             });
         }
         out

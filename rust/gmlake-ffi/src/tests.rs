@@ -486,4 +486,21 @@ fn host_timing_keeps_slow_calls_with_their_start() {
         "{start} not within [{before}, {after}]"
     );
     assert!(start + ns <= after + 1_000_000, "{e}");
+    // Where its time went: its driver calls (8,192 pages created and mapped), all timed, the
+    // slowest named; no wait for the lock (one thread).
+    let (driver_ns, calls, slowest_ns) = (
+        num("driver_ns"),
+        num("driver_calls"),
+        num("slowest_driver_ns"),
+    );
+    assert!(calls >= 2 * 8_192, "{e}");
+    assert!(
+        driver_ns > 0 && driver_ns <= ns && slowest_ns <= driver_ns,
+        "{e}"
+    );
+    assert_eq!(num("lock_wait_ns"), 0, "{e}");
+    assert!(
+        e.contains("\"slowest_driver\":\"") && !e.contains("\"slowest_driver\":\"\""),
+        "{e}"
+    );
 }

@@ -176,10 +176,19 @@ pub struct Allocator<D: Device> {
     imports_closing: AtomicUsize,
 }
 
+/// A driver call: counted by kind, and with `host_timing` timed for the calling thread's
+/// slow-call figures (`crate::calltime`).
 macro_rules! drv {
     ($st:expr, $kind:ident, $call:expr) => {{
         $st.stats.driver_calls.$kind += 1;
-        $call
+        if $st.cfg.host_timing {
+            let t0 = std::time::Instant::now();
+            let r = $call;
+            $crate::calltime::note_driver(stringify!($kind), t0.elapsed().as_nanos() as u64);
+            r
+        } else {
+            $call
+        }
     }};
 }
 
@@ -307,6 +316,19 @@ impl<D: Device> Allocator<D> {
         self.allocate_in(size, stream, GraphPoolId::DEFAULT)
     }
 
+    /// The state's lock for an allocation or a free: the wait for it, when another thread
+    /// held it, goes to the calling thread's slow-call figures (`crate::calltime`); an
+    /// uncontended lock reads no clock.
+    fn lock_timed(&self) -> parking_lot::MutexGuard<'_, State> {
+        if let Some(st) = self.state.try_lock() {
+            return st;
+        }
+        let t0 = std::time::Instant::now();
+        let st = self.state.lock();
+        crate::calltime::note_lock_wait(t0.elapsed().as_nanos() as u64);
+        st
+    }
+
     /// Allocates into a CUDA graph pool (`GraphPoolId::DEFAULT` for the default pool).
     pub fn allocate_in(&self, size: u64, stream: StreamId, pool: GraphPoolId) -> Result<DevicePtr> {
         if size == 0 {
@@ -314,7 +336,7 @@ impl<D: Device> Allocator<D> {
         }
         round_request(size)?;
         self.process_closed_imports();
-        let mut st = self.state.lock();
+        let mut st = self.lock_timed();
         let rounded = st.cfg.round_size(size);
         match st.allocate(&self.device, size, rounded, stream, pool) {
             // Debug mode: the quarantine and spare guard pages go back before giving up.
@@ -341,8 +363,7 @@ impl<D: Device> Allocator<D> {
             return Ok(0);
         }
         let rounded = round_request(rounded.max(size))?;
-        self.state
-            .lock()
+        self.lock_timed()
             .allocate(&self.device, size, rounded, stream, pool)
     }
 
@@ -400,7 +421,7 @@ impl<D: Device> Allocator<D> {
             return Ok(());
         }
         self.process_closed_imports();
-        let mut st = self.state.lock();
+        let mut st = self.lock_timed();
         st.free(&self.device, ptr)?;
         if st.drain_due {
             st.drain_old(&self.device)?;
