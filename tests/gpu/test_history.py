@@ -62,3 +62,29 @@ def test_memory_history_snapshot_and_viz(tmp_path):
     assert res["settings"].startswith("backend:gmlake"), res["settings"]
     assert res["html"] > 1000 and res["summary"] > 0
     assert res["traces_after_disable"] == 0
+
+
+def test_host_timing_says_where_a_slow_call_went():
+    """`host_timing:1`: a slow allocation (4 GiB: 2,048 pages created and mapped) is kept in
+    gmlake.snapshot()["slow_calls"] with where its time went: its driver calls, all timed, the
+    slowest named by kind, and no wait for the lock (one thread)."""
+    r = run_python(
+        "host_timing_slow_call_split",
+        """
+        big = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        calls = [c for c in gmlake.snapshot()["slow_calls"] if c["size"] == 4 << 30]
+        result(calls=calls)
+        """,
+        conf="host_timing:1",
+    )
+    calls = r.result["calls"]
+    print(calls)
+    assert len(calls) == 1, calls
+    c = calls[0]
+    assert c["op"] == "alloc" and c["driver_calls"] >= 2 * 2048, c
+    assert 0 < c["slowest_driver_ns"] <= c["driver_ns"] <= c["ns"], c
+    assert c["slowest_driver"] in ("create_physical", "release_physical", "reserve_va", "free_va",
+                                   "map", "unmap", "set_access", "create_event", "record_event",
+                                   "query_event", "stream_wait", "synchronize"), c
+    assert c["lock_wait_ns"] == 0, c
