@@ -16,7 +16,7 @@
 use std::cell::Cell;
 
 /// The figures of the calls made on this thread since the last [`reset`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CallTime {
     /// Nanoseconds waited for the allocator's lock.
     pub lock_wait_ns: u64,
@@ -29,24 +29,29 @@ pub struct CallTime {
     pub slowest_driver_ns: u64,
 }
 
-thread_local! {
-    static NOW: Cell<CallTime> = const { Cell::new(CallTime {
+impl CallTime {
+    /// Nothing yet (what `Default` gives, usable in a `const`).
+    pub const ZERO: CallTime = CallTime {
         lock_wait_ns: 0,
         driver_ns: 0,
         driver_calls: 0,
         slowest_driver: "",
         slowest_driver_ns: 0,
-    }) };
+    };
+}
+
+thread_local! {
+    static NOW: Cell<CallTime> = const { Cell::new(CallTime::ZERO) };
 }
 
 /// Starts a new call on this thread.
 pub fn reset() {
-    NOW.with(|c| c.set(CallTime::default()));
+    NOW.with(|c| c.set(CallTime::ZERO));
 }
 
 /// The figures since the last [`reset`] on this thread, which starts anew.
 pub fn take() -> CallTime {
-    NOW.with(|c| c.replace(CallTime::default()))
+    NOW.with(|c| c.replace(CallTime::ZERO))
 }
 
 /// A driver call of `kind` took `ns`.
@@ -103,6 +108,6 @@ mod tests {
                 slowest_driver_ns: 40,
             }
         );
-        assert_eq!(take(), CallTime::default(), "take starts anew");
+        assert_eq!(take(), CallTime::ZERO, "take starts anew");
     }
 }

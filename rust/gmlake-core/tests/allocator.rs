@@ -393,7 +393,7 @@ fn host_timing_times_every_driver_call_of_a_call_and_the_wait_for_the_lock() {
     let (_, off) = setup(8 << 30, Config::default());
     calltime::reset();
     off.allocate(100 * MIB, 0).unwrap();
-    assert_eq!(calltime::take(), calltime::CallTime::default());
+    assert_eq!(calltime::take(), calltime::CallTime::ZERO);
     // Another thread holds the lock (a large allocation: thousands of pages created, then
     // released) while this one allocates: the wait is noted. Tried until the two overlap.
     let a = Arc::new(a);

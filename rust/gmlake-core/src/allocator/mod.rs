@@ -181,14 +181,12 @@ pub struct Allocator<D: Device> {
 macro_rules! drv {
     ($st:expr, $kind:ident, $call:expr) => {{
         $st.stats.driver_calls.$kind += 1;
-        if $st.cfg.host_timing {
-            let t0 = std::time::Instant::now();
-            let r = $call;
+        let t0 = $st.cfg.host_timing.then(std::time::Instant::now);
+        let r = $call;
+        if let Some(t0) = t0 {
             $crate::calltime::note_driver(stringify!($kind), t0.elapsed().as_nanos() as u64);
-            r
-        } else {
-            $call
         }
+        r
     }};
 }
 
