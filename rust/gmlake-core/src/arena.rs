@@ -1060,10 +1060,23 @@ impl Arena {
         self.lent.handles()
     }
 
-    /// The handles of the interior pages of this arena's free mapped blocks (the pages a
-    /// stitch or a reuse may take from here), added to `out`. O(those pages).
-    pub fn free_interior_handles(&self, out: &mut rustc_hash::FxHashSet<PhysHandle>) {
+    /// The handles of the interior pages of this arena's free mapped blocks freed at or
+    /// before `freed_until` (the pages a stitch or a reuse may take from here), added to
+    /// `out`. O(those pages).
+    pub fn free_interior_handles(
+        &self,
+        freed_until: u64,
+        out: &mut rustc_hash::FxHashSet<PhysHandle>,
+    ) {
         for &(n, addr) in self.stealable.settled() {
+            let old_enough = freed_until >= self.last_free
+                || matches!(
+                    self.blocks.get(&addr).map(|b| b.state),
+                    Some(BlockState::FreeMapped { freed }) if freed <= freed_until
+                );
+            if !old_enough {
+                continue;
+            }
             let first = self.ceil(addr);
             out.extend(
                 self.pages

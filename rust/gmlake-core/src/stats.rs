@@ -196,6 +196,9 @@ macro_rules! for_device_stats {
                 /// before), where the stitch would have made the same wait and mapped those
                 /// same pages at a new address.
                 reuses_after_wait: u64 = accumulated,
+                /// `reuse_fenced_blocks`: kept windows found by the second scan, which counts
+                /// the pages of other streams' free blocks whose own free is fenced.
+                reuses_fenced_blocks: u64 = accumulated,
                 /// Kept mappings unmapped because there were more than `max_aliases` allowed.
                 alias_evictions: u64 = accumulated,
                 /// Kept aliases unmapped and refilled with another page, to reuse a range whose

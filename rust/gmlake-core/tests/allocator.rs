@@ -217,6 +217,51 @@ fn waits_before_release(cross_stream_wait: bool) {
     assert_eq!(dev.physical_bytes(), 0);
 }
 
+/// `reuse_fenced_blocks`: a stream whose kept range's pages rest in another stream's free
+/// block, whose work is done but not yet fenced, brings the fences up to date when its scan
+/// finds nothing and takes the range back as it is (no map); without it the miss stitches
+/// those same pages at a new address. (A device whose events complete when queried: the
+/// property tests check, on the asynchronous one, that nothing races.)
+#[test]
+fn reuse_fenced_blocks_takes_a_kept_range_back_once_its_pages_are_fenced() {
+    for on in [false, true] {
+        let cfg = Config {
+            reuse_fenced_blocks: on,
+            ..Config::default()
+        };
+        let (dev, a) = setup(256 * MIB, cfg);
+        // Stream 1's range, written and freed; stream 2 takes its pages (behind a
+        // device-side wait), and stream 1's range is kept as aliases of them.
+        let p = a.allocate(16 * MIB, 1).unwrap();
+        dev.fill(p, 16 * MIB, 1, 1).unwrap();
+        a.free(p).unwrap();
+        let q = a.allocate(16 * MIB, 2).unwrap();
+        assert_ne!(q, p);
+        dev.fill(q, 16 * MIB, 2, 2).unwrap();
+        a.free(q).unwrap();
+        // Stream 2's work is done; no fence of stream 2 has seen it yet.
+        let maps = a.stats().driver_calls.map;
+        let r = a.allocate(16 * MIB, 1).unwrap();
+        dev.fill(r, 16 * MIB, 3, 1).unwrap();
+        assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
+        let s = a.stats();
+        if on {
+            assert_eq!(r, p, "the kept range was not taken back");
+            assert_eq!(s.driver_calls.map, maps);
+            assert_eq!(s.reuses_fenced_blocks, 1);
+        } else {
+            assert_ne!(r, p);
+            assert_eq!(s.driver_calls.map, maps + 8);
+            assert_eq!(s.reuses_fenced_blocks, 0);
+        }
+        a.verify().unwrap();
+        a.free(r).unwrap();
+        dev.complete_all();
+        a.empty_cache().unwrap();
+        assert_eq!(dev.physical_bytes(), 0);
+    }
+}
+
 /// `wait_to_reuse`: a stream whose kept range's pages are free on another stream, whose work
 /// is still queued, waits for that stream on the device and takes the range back as it is
 /// (no map), where otherwise it waits all the same and maps those pages at a new address.

@@ -52,9 +52,21 @@ fn config() -> impl Strategy<Value = Config> {
         0usize..3,
         0usize..3,
         prop::bool::ANY,
+        prop::bool::ANY,
     )
         .prop_map(
-            |(level, strategy, small_frag, aliases, target, wait, upgrade, big, at_once)| Config {
+            |(
+                level,
+                strategy,
+                small_frag,
+                aliases,
+                target,
+                wait,
+                upgrade,
+                big,
+                at_once,
+                fenced,
+            )| Config {
                 defrag_level: level,
                 stitch_strategy: [
                     StitchStrategy::BestFit,
@@ -73,6 +85,9 @@ fn config() -> impl Strategy<Value = Config> {
                 // (`wait_to_reuse`) take a kept window back behind such a wait.
                 cross_stream_wait: wait > 0,
                 wait_to_reuse: wait == 2,
+                // Count other streams' free blocks whose own free is fenced, after refreshing
+                // the fences, when a kept-window scan finds nothing.
+                reuse_fenced_blocks: fenced,
                 // One page size throughout, or an upgrade to 4 or 8 MiB pages, or to the
                 // page sized by the live blocks (0), once 8 or 24 MiB are held (the old
                 // generation drains while the sequence runs).

@@ -1002,8 +1002,16 @@ impl State {
                 };
                 let max_busy = (fresh / 2).min((size.div_ceil(self.page) / 4).max(1));
                 self.settle_arenas();
-                let (mut found, cursor) = self.find_reuse(aid, size, max_busy, false);
+                let view = if self.cfg.reuse_fenced_blocks {
+                    pages::ReuseView::FencedBlocks
+                } else {
+                    pages::ReuseView::Now
+                };
+                let (mut found, cursor) = self.find_reuse(aid, size, max_busy, view);
                 self.arenas[aid as usize].reuse_cursor = cursor;
+                if found.is_none() && self.cfg.reuse_fenced_blocks {
+                    found = self.reuse_fenced_blocks(dev, aid, size, max_busy)?;
+                }
                 if found.is_none() {
                     if let Some(r) = self.window_after_wait(dev, aid, size, fresh)? {
                         // The window holds if the wait was made: every arena it counted as

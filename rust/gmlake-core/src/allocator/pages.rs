@@ -31,6 +31,19 @@ pub(super) struct PageBook {
 /// served covers them.
 pub(super) type Exclude = (u64, u64);
 
+/// Which pages of other streams' free blocks a kept-window scan counts as free
+/// (`State::gives_freed_until`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum ReuseView {
+    /// Those of arenas that may give as a whole (`State::may_give`).
+    Now,
+    /// Also those of blocks whose own free is behind a completed fence or a wait
+    /// (`reuse_fenced_blocks`).
+    FencedBlocks,
+    /// All of them, as after `wait_for_streams`.
+    AfterWait,
+}
+
 /// A range that a miss can take with no driver call: free mapped blocks and lent pages
 /// whose physical pages are free where they are active.
 pub(super) struct Reuse {
@@ -309,7 +322,35 @@ impl State {
         if takeable(self) >= fresh || !self.has_unfenced_pages(stream) {
             return Ok(None);
         }
-        Ok(self.find_reuse(aid, size, 0, true).0)
+        Ok(self.find_reuse(aid, size, 0, ReuseView::AfterWait).0)
+    }
+
+    /// `reuse_fenced_blocks`, for a miss of `size` bytes in arena `aid` whose scan (already
+    /// counting the pages of other streams' free blocks whose own free is behind a completed
+    /// fence, `ReuseView::FencedBlocks`) found no kept window with at most `max_busy` busy
+    /// pages: brings the other streams' fences up to date (`refresh_fences`: an event query,
+    /// and a record where none is pending; no wait) and scans again. Safe as `may_give` is: the
+    /// fence's event was recorded on the block's stream after the block was freed there, and
+    /// it has completed, so no queued work of that stream still uses the block. Only after a
+    /// failed scan, and only where such pages exist: the refresh is two event calls a stream.
+    pub(super) fn reuse_fenced_blocks<D: Device>(
+        &mut self,
+        dev: &D,
+        aid: u32,
+        size: u64,
+        max_busy: u64,
+    ) -> Result<Option<Reuse>> {
+        let stream = self.arenas[aid as usize].key.stream;
+        if self.arenas[aid as usize].lent_pages() == 0 || !self.has_unfenced_pages(stream) {
+            return Ok(None);
+        }
+        self.refresh_fences(dev, stream)?;
+        let (found, cursor) = self.find_reuse(aid, size, max_busy, ReuseView::FencedBlocks);
+        self.arenas[aid as usize].reuse_cursor = cursor;
+        if found.is_some() {
+            self.stats.reuses_fenced_blocks += 1;
+        }
+        Ok(found)
     }
 
     /// `cross_stream_wait`: makes `stream` wait on the device for an event recorded now on
@@ -393,22 +434,37 @@ impl State {
     /// free, or `stream` waits (on the device) for the arena's stream since its last free.
     pub(super) fn may_give(&self, a: &Arena, stream: StreamId) -> bool {
         self.pool_may_give(a)
-            && (a.key.stream == stream
-                || self
-                    .fences
-                    .get(&a.key.stream)
-                    .is_some_and(|f| f.completed >= a.last_free)
-                || self
-                    .waited
-                    .get(&(stream, a.key.stream))
-                    .is_some_and(|&w| w >= a.last_free))
+            && (a.key.stream == stream || a.last_free <= self.covered_until(a.key.stream, stream))
     }
 
-    /// [`State::may_give`], or, with `after_wait`, whether it would once `stream` waited for
-    /// the arena's stream now (`wait_for_streams` makes every arena of the current
-    /// generation that is no live graph pool give).
-    fn may_give_after(&self, a: &Arena, stream: StreamId, after_wait: bool) -> bool {
-        self.may_give(a, stream) || (after_wait && self.pool_may_give(a))
+    /// The latest free stamp of stream `other` whose pages `stream` may take: every free of
+    /// `other` stamped at or before it is behind a completed fence of `other`, or behind a
+    /// wait of `stream` for `other` (0: none).
+    fn covered_until(&self, other: StreamId, stream: StreamId) -> u64 {
+        let fenced = self.fences.get(&other).map_or(0, |f| f.completed);
+        let waited = self.waited.get(&(stream, other)).copied().unwrap_or(0);
+        fenced.max(waited)
+    }
+
+    /// How a kept-window scan (`find_reuse`) decides that another stream's free block may
+    /// give its pages to `stream`: the free blocks of arena `a` freed at or before the stamp
+    /// returned may (`u64::MAX`: all of them; `None`: none).
+    /// - `ReuseView::Now`: all of them where the arena may give as a whole (`may_give`);
+    /// - `ReuseView::FencedBlocks` (`reuse_fenced_blocks`): also those whose own free is
+    ///   covered (`covered_until`), where the arena's last free is not;
+    /// - `ReuseView::AfterWait`: all of them, as if `stream` had waited for every other
+    ///   stream (`wait_for_streams` makes every arena of the current generation that is no
+    ///   live graph pool give).
+    fn gives_freed_until(&self, a: &Arena, stream: StreamId, view: ReuseView) -> Option<u64> {
+        if !self.pool_may_give(a) {
+            None
+        } else if view == ReuseView::AfterWait || self.may_give(a, stream) {
+            Some(u64::MAX)
+        } else if view == ReuseView::FencedBlocks {
+            Some(self.covered_until(a.key.stream, stream))
+        } else {
+            None
+        }
     }
 
     /// Applies every arena's deferred index changes (`Arena::settle`): before the queries of
@@ -549,7 +605,7 @@ impl State {
     /// Whether page `h` may be taken back, with no driver call, for arena `aid` (serving
     /// `stream`): it is active at an interior page of a free mapped block of an arena that
     /// may give to `stream`, outside `avoid` (the region being reused, which it would cut).
-    /// `after_wait`: as if `stream` had waited for every other stream (`find_reuse`).
+    /// `view`: which other streams' free blocks count as free (`gives_freed_until`).
     /// `last` remembers the block it last looked up, (arena, block start, block end, free
     /// mapped), valid while the arenas do not change (one scan): the pages of a kept window
     /// were stitched together, so they are mostly active in one block elsewhere, and
@@ -560,7 +616,7 @@ impl State {
         aid: u32,
         stream: StreamId,
         avoid: (u64, u64),
-        after_wait: bool,
+        view: ReuseView,
         last: &mut Option<(u32, u64, u64, bool)>,
     ) -> bool {
         let Some(&(x, va)) = self.book.home.get(&h) else {
@@ -570,14 +626,15 @@ impl State {
             return false;
         }
         let a = &self.arenas[x as usize];
-        if !self.may_give_after(a, stream, after_wait) {
+        let Some(until) = self.gives_freed_until(a, stream, view) else {
             return false;
-        }
+        };
         let free = match *last {
             Some((lx, lo, hi, free)) if lx == x && va >= lo && va < hi => free,
             _ => match a.block_containing(va) {
                 Some((addr, b)) => {
-                    let free = matches!(b.state, ArenaState::FreeMapped { .. });
+                    let free =
+                        matches!(b.state, ArenaState::FreeMapped { freed } if freed <= until);
                     *last = Some((x, addr, addr + b.size, free));
                     free
                 }
@@ -601,15 +658,16 @@ impl State {
     /// Also returns where the next scan should start (the cursor moves only when the bound
     /// cut this scan short).
     ///
-    /// `after_wait`: count the pages of other streams' arenas that `stream` may not take yet
-    /// as if it had waited for those streams (`wait_for_streams`), to learn whether a wait
-    /// would make a window reusable.
+    /// `view`: which pages of other streams' free blocks count as free (`gives_freed_until`);
+    /// `ReuseView::AfterWait` counts those `stream` may not take yet as if it had waited for
+    /// their streams (`wait_for_streams`), to learn whether a wait would make a window
+    /// reusable.
     pub(super) fn find_reuse(
         &self,
         aid: u32,
         size: u64,
         max_busy: u64,
-        after_wait: bool,
+        view: ReuseView,
     ) -> (Option<Reuse>, u64) {
         let arena = &self.arenas[aid as usize];
         let stream = arena.key.stream;
@@ -620,18 +678,19 @@ impl State {
         // trace this took the scans' time down 3x). Both give the same answer: a page is
         // reusable iff it is an interior page of a free mapped block of an arena that may
         // give to `stream` (the scan avoids no range).
-        let giving: Vec<&Arena> = self
+        let giving: Vec<(&Arena, u64)> = self
             .arenas
             .iter()
-            .filter(|a| a.stealable_pages > 0 && self.may_give_after(a, stream, after_wait))
+            .filter(|a| a.stealable_pages > 0)
+            .filter_map(|a| Some((a, self.gives_freed_until(a, stream, view)?)))
             .collect();
-        let free_count: u64 = giving.iter().map(|a| a.stealable_pages).sum();
+        let free_count: u64 = giving.iter().map(|(a, _)| a.stealable_pages).sum();
         let free_pages: Option<FxHashSet<PhysHandle>> =
             (free_count <= arena.lent_pages()).then(|| {
                 let mut set = FxHashSet::default();
                 set.reserve(free_count as usize);
-                for a in &giving {
-                    a.free_interior_handles(&mut set);
+                for &(a, until) in &giving {
+                    a.free_interior_handles(until, &mut set);
                 }
                 set
             });
@@ -685,12 +744,12 @@ impl State {
                             let r = set.contains(&h);
                             debug_assert_eq!(
                                 r,
-                                self.reusable(h, aid, stream, (0, 0), after_wait, &mut None),
+                                self.reusable(h, aid, stream, (0, 0), view, &mut None),
                                 "the free-page set disagrees with the lookup for {h:?}"
                             );
                             r
                         }
-                        None => self.reusable(h, aid, stream, (0, 0), after_wait, &mut last),
+                        None => self.reusable(h, aid, stream, (0, 0), view, &mut last),
                     };
                     let kind = if reusable { 1 } else { 2 };
                     units.push((va, page, kind));
@@ -739,9 +798,7 @@ impl State {
         let mut taken: FxHashSet<PhysHandle> = FxHashSet::default();
         for va in (start & !(page - 1)..end).step_by(page as usize) {
             if let Some(h) = arena.lent_at(va) {
-                if taken.insert(h)
-                    && self.reusable(h, aid, stream, (start, end), after_wait, &mut None)
-                {
+                if taken.insert(h) && self.reusable(h, aid, stream, (start, end), view, &mut None) {
                     r.lent.push((va, h));
                 } else {
                     r.replace.push(va);
