@@ -217,6 +217,48 @@ fn waits_before_release(cross_stream_wait: bool) {
     assert_eq!(dev.physical_bytes(), 0);
 }
 
+/// Stream 1's 16 MiB range, written and freed; stream 2 takes its pages (behind a
+/// device-side wait), writes and frees them, and stream 1's range is kept as aliases of them.
+/// Returns stream 1's range.
+fn kept_range_of_freed_pages(dev: &SimDevice, a: &Allocator<Arc<SimDevice>>) -> u64 {
+    let p = a.allocate(16 * MIB, 1).unwrap();
+    dev.fill(p, 16 * MIB, 1, 1).unwrap();
+    a.free(p).unwrap();
+    let q = a.allocate(16 * MIB, 2).unwrap();
+    assert_ne!(q, p, "stream 2 took stream 1's range");
+    dev.fill(q, 16 * MIB, 2, 2).unwrap();
+    a.free(q).unwrap();
+    p
+}
+
+/// After stream 1 asked again for the range `kept_range_of_freed_pages` kept, (kept, got):
+/// with the option `on`, it got the kept range back with no map and the option's counter
+/// (`taken`) says so once; without, a new range of 8 maps. Then frees everything.
+fn check_kept_range_reuse(
+    dev: &SimDevice,
+    a: &Allocator<Arc<SimDevice>>,
+    on: bool,
+    (p, r): (u64, u64),
+    maps: u64,
+    taken: u64,
+) {
+    let s = a.stats();
+    if on {
+        assert_eq!(r, p, "the kept range was not taken back");
+        assert_eq!(s.driver_calls.map, maps);
+        assert_eq!(taken, 1);
+    } else {
+        assert_ne!(r, p);
+        assert_eq!(s.driver_calls.map, maps + 8);
+        assert_eq!(taken, 0);
+    }
+    a.verify().unwrap();
+    a.free(r).unwrap();
+    dev.complete_all();
+    a.empty_cache().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+}
+
 /// `reuse_fenced_blocks`: a stream whose kept range's pages rest in another stream's free
 /// block, whose work is done but not yet fenced, brings the fences up to date when its scan
 /// finds nothing and takes the range back as it is (no map); without it the miss stitches
@@ -230,35 +272,14 @@ fn reuse_fenced_blocks_takes_a_kept_range_back_once_its_pages_are_fenced() {
             ..Config::default()
         };
         let (dev, a) = setup(256 * MIB, cfg);
-        // Stream 1's range, written and freed; stream 2 takes its pages (behind a
-        // device-side wait), and stream 1's range is kept as aliases of them.
-        let p = a.allocate(16 * MIB, 1).unwrap();
-        dev.fill(p, 16 * MIB, 1, 1).unwrap();
-        a.free(p).unwrap();
-        let q = a.allocate(16 * MIB, 2).unwrap();
-        assert_ne!(q, p);
-        dev.fill(q, 16 * MIB, 2, 2).unwrap();
-        a.free(q).unwrap();
+        let p = kept_range_of_freed_pages(&dev, &a);
         // Stream 2's work is done; no fence of stream 2 has seen it yet.
         let maps = a.stats().driver_calls.map;
         let r = a.allocate(16 * MIB, 1).unwrap();
         dev.fill(r, 16 * MIB, 3, 1).unwrap();
         assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
-        let s = a.stats();
-        if on {
-            assert_eq!(r, p, "the kept range was not taken back");
-            assert_eq!(s.driver_calls.map, maps);
-            assert_eq!(s.reuses_fenced_blocks, 1);
-        } else {
-            assert_ne!(r, p);
-            assert_eq!(s.driver_calls.map, maps + 8);
-            assert_eq!(s.reuses_fenced_blocks, 0);
-        }
-        a.verify().unwrap();
-        a.free(r).unwrap();
-        dev.complete_all();
-        a.empty_cache().unwrap();
-        assert_eq!(dev.physical_bytes(), 0);
+        let taken = a.stats().reuses_fenced_blocks;
+        check_kept_range_reuse(&dev, &a, on, (p, r), maps, taken);
     }
 }
 
@@ -274,14 +295,7 @@ fn wait_to_reuse_takes_a_kept_range_back_behind_a_device_wait() {
             ..Config::default()
         };
         let (dev, a) = setup_async(256 * MIB, cfg);
-        // Stream 1's range, written and freed; stream 2 takes its pages (behind a
-        // device-side wait), and stream 1's range is kept as aliases of them.
-        let p = a.allocate(16 * MIB, 1).unwrap();
-        dev.fill(p, 16 * MIB, 1, 1).unwrap();
-        a.free(p).unwrap();
-        let q = a.allocate(16 * MIB, 2).unwrap();
-        dev.fill(q, 16 * MIB, 2, 2).unwrap();
-        a.free(q).unwrap();
+        let p = kept_range_of_freed_pages(&dev, &a);
         let maps = a.stats().driver_calls.map;
         let waits = a.stats().driver_calls.stream_wait;
         let r = a.allocate(16 * MIB, 1).unwrap();
@@ -289,20 +303,7 @@ fn wait_to_reuse_takes_a_kept_range_back_behind_a_device_wait() {
         assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
         let s = a.stats();
         assert!(s.driver_calls.stream_wait > waits, "no device-side wait");
-        if on {
-            assert_eq!(r, p, "the kept range was not taken back");
-            assert_eq!(s.driver_calls.map, maps);
-            assert_eq!(s.reuses_after_wait, 1);
-        } else {
-            assert_ne!(r, p);
-            assert_eq!(s.driver_calls.map, maps + 8);
-            assert_eq!(s.reuses_after_wait, 0);
-        }
-        a.verify().unwrap();
-        a.free(r).unwrap();
-        dev.complete_all();
-        a.empty_cache().unwrap();
-        assert_eq!(dev.physical_bytes(), 0);
+        check_kept_range_reuse(&dev, &a, on, (p, r), maps, s.reuses_after_wait);
     }
 }
 
