@@ -283,6 +283,65 @@ fn reuse_fenced_blocks_takes_a_kept_range_back_once_its_pages_are_fenced() {
     }
 }
 
+/// `reuse_fenced_blocks` decides per block: stream 1's kept range rests in a block that stream 0
+/// freed before a fence of stream 0 that has completed, but stream 0 freed another block
+/// after that fence, so stream 0's arena as a whole may not give yet. With the option the
+/// range is taken back as it is (no map); without, new pages are made (no device-side waits
+/// here, `cross_stream_wait` off). On the asynchronous device, which flags any use of memory
+/// that queued work of another stream may still touch: nothing races.
+#[test]
+fn reuse_fenced_blocks_takes_pages_of_blocks_freed_before_a_completed_fence() {
+    for on in [false, true] {
+        let cfg = Config {
+            reuse_fenced_blocks: on,
+            cross_stream_wait: false,
+            ..Config::default()
+        };
+        let (dev, a) = setup_async(256 * MIB, cfg);
+        let p = a.allocate(16 * MIB, 1).unwrap();
+        dev.fill(p, 16 * MIB, 1, 1).unwrap();
+        a.free(p).unwrap();
+        // Stream 0 cannot take stream 1's pages yet: it makes pages (z, and x, which stays
+        // live between z and q so that their frees do not coalesce), and a fence is recorded
+        // on stream 1; once stream 1 is done, stream 0 takes p's pages into q.
+        let z = a.allocate(2 * MIB, 0).unwrap();
+        let x = a.allocate(2 * MIB, 0).unwrap();
+        dev.complete_stream(1);
+        let q = a.allocate(16 * MIB, 0).unwrap();
+        assert!(z < x && x < q, "{z:#x} {x:#x} {q:#x}");
+        assert_ne!(q, p);
+        assert_eq!(a.stats().pages_stitched, 8, "q took p's pages");
+        dev.fill(q, 16 * MIB, 2, 0).unwrap();
+        dev.fill(z, 2 * MIB, 3, 0).unwrap();
+        a.free(q).unwrap();
+        // A miss on stream 1 records a fence on stream 0 (after q's free); stream 0 frees z
+        // after it, and its work completes.
+        let y = a.allocate(2 * MIB, 1).unwrap();
+        a.free(z).unwrap();
+        dev.complete_stream(0);
+        let maps = a.stats().driver_calls.map;
+        let r = a.allocate(16 * MIB, 1).unwrap();
+        dev.fill(r, 16 * MIB, 4, 1).unwrap();
+        assert!(dev.hazards().is_empty(), "{:?}", dev.hazards());
+        let s = a.stats();
+        if on {
+            assert_eq!(r, p, "the kept range was not taken back");
+            assert_eq!(s.driver_calls.map, maps);
+            assert_eq!(s.reuses_fenced_blocks, 1);
+        } else {
+            assert_ne!(r, p);
+            assert_eq!(s.driver_calls.map, maps + 8);
+        }
+        a.verify().unwrap();
+        for b in [r, x, y] {
+            a.free(b).unwrap();
+        }
+        dev.complete_all();
+        a.empty_cache().unwrap();
+        assert_eq!(dev.physical_bytes(), 0);
+    }
+}
+
 /// `wait_to_reuse`: a stream whose kept range's pages are free on another stream, whose work
 /// is still queued, waits for that stream on the device and takes the range back as it is
 /// (no map), where otherwise it waits all the same and maps those pages at a new address.

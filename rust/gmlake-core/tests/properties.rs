@@ -21,11 +21,17 @@ const DEVICE: u64 = 47 * PAGE;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { size: u64, stream: u64 },
+    Alloc {
+        size: u64,
+        stream: u64,
+    },
     Free(usize),
     RecordStream(usize, u64),
     EmptyCache,
     Complete,
+    /// One stream's work completes while the others' stays queued: fences of that stream
+    /// complete and others do not (`reuse_fenced_blocks` decides by them, block by block).
+    CompleteStream(u64),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -38,6 +44,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (any::<usize>(), 0u64..3).prop_map(|(i, s)| Op::RecordStream(i, s)),
         1 => Just(Op::EmptyCache),
         2 => Just(Op::Complete),
+        2 => (0u64..3).prop_map(Op::CompleteStream),
     ]
 }
 
@@ -190,6 +197,7 @@ fn run(config: Config, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 .empty_cache()
                 .map_err(|e| TestCaseError::fail(e.to_string()))?,
             Op::Complete => dev.complete_all(),
+            Op::CompleteStream(s) => dev.complete_stream(s),
             _ => {}
         }
         a.verify().map_err(TestCaseError::fail)?;
