@@ -400,8 +400,8 @@ def stats(device=None) -> Dict[str, Any]:
     addresses were freed), ``gmlake.reuses_awaited`` (such windows taken after waiting for
     that work, 20 queries 50 µs apart), ``gmlake.reuses_after_wait`` (``wait_to_reuse``: kept
     windows taken back behind a device-side wait for the streams holding their pages),
-    ``gmlake.reuses_fenced_blocks`` (``reuse_fenced_blocks``: kept windows found once other
-    streams' fenced free blocks counted as free),
+    ``gmlake.reuses_fenced_blocks`` (``reuse_fenced_blocks``: kept windows found by the scan
+    made again after bringing the other streams' fences up to date),
     ``gmlake.alias_evictions``,
     ``gmlake.device_total``, ``gmlake.page_size`` (the page new memory gets: after a
     page-size upgrade, the larger one), ``gmlake.page_upgrades`` and ``gmlake.pages_drained``
