@@ -105,8 +105,8 @@ pub struct Config {
     /// again. For the periodic kept windows of side streams whose pages rest in the main
     /// stream's blocks between steps (the main stream frees all the time, so its last free is
     /// never fenced when a side stream asks). ZeRO-3 on four H200s, rank 0's VMM calls a step
-    /// after warm-up: N 127-202 -> 0, LR 133 -> 47 (median); in the replay FSDP2's driver time
-    /// rises by half.
+    /// after warm-up: N 127-202 -> 0 (after its first measured step), LR 133 -> 47 (median);
+    /// in the replay FSDP2's driver time rises by half.
     /// docs/design.md, "Reusing windows whose pages rest on another stream".
     pub reuse_fenced_blocks: bool,
     /// `host_timing`: the bridge to PyTorch (gmlake-ffi) times every allocation and free that
