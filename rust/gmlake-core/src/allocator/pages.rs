@@ -434,15 +434,19 @@ impl State {
     /// free, or `stream` waits (on the device) for the arena's stream since its last free.
     pub(super) fn may_give(&self, a: &Arena, stream: StreamId) -> bool {
         self.pool_may_give(a)
-            && (a.key.stream == stream || a.last_free <= self.covered_until(a.key.stream, stream))
+            && (a.key.stream == stream
+                || self
+                    .covered_until(a.key.stream, stream)
+                    .is_some_and(|c| a.last_free <= c))
     }
 
     /// The latest free stamp of stream `other` whose pages `stream` may take: every free of
     /// `other` stamped at or before it is behind a completed fence of `other`, or behind a
-    /// wait of `stream` for `other` (0: none).
-    fn covered_until(&self, other: StreamId, stream: StreamId) -> u64 {
-        let fenced = self.fences.get(&other).map_or(0, |f| f.completed);
-        let waited = self.waited.get(&(stream, other)).copied().unwrap_or(0);
+    /// wait of `stream` for `other`; `None` where `other` has no fence and `stream` never
+    /// waited for it.
+    fn covered_until(&self, other: StreamId, stream: StreamId) -> Option<u64> {
+        let fenced = self.fences.get(&other).map(|f| f.completed);
+        let waited = self.waited.get(&(stream, other)).copied();
         fenced.max(waited)
     }
 
@@ -461,7 +465,7 @@ impl State {
         } else if view == ReuseView::AfterWait || self.may_give(a, stream) {
             Some(u64::MAX)
         } else if view == ReuseView::FencedBlocks {
-            Some(self.covered_until(a.key.stream, stream))
+            self.covered_until(a.key.stream, stream)
         } else {
             None
         }
