@@ -18,6 +18,14 @@ gmlake's slowest allocation or free of any timed step, split into the wait for t
 lock, its driver calls and the slowest of them (the rest is the core's own work): one N run on
 four H200s had a step in which two ranks each spent 628 ms in gmlake's calls.
 
+The runs of one call move together (the host's speed drifts within a call by more than the
+allocators differ), so each row also compares its allocator round by round: run k of an
+allocator against run k of the baselines in the same results file (run.sh's k-th pass over the
+allocator list), the faster of them, in every round where all the strategy's baselines ran; the
+column gives the geometric mean of those ratios, their range and the number of rounds. In the
+eighteenth session LR's rounds ran gmlake at 0.87-1.07x, while native's own runs spread over
+1,545-2,390 ms.
+
 Runs made with `EXTRA_ARGS="--profile-step N"` get a second table, one row per run and rank
 (rank 0 from the results file, rank k from its `.rankK` sibling): the profiled step's wall
 time, its busiest CUDA streams (busy time / span), the largest host calls and device
@@ -26,6 +34,7 @@ more (count, total, largest; they are also on their own track of the step's trac
 where each allocator's step goes."""
 
 import glob
+import math
 import os
 import re
 import statistics
@@ -111,6 +120,31 @@ def profile_rows(path: str):
     return rows
 
 
+def paired(runs, tag, groups) -> str:
+    """The geometric mean of the runs' round-by-round ratios to the faster baseline of the same
+    round (see the module's doc), with their range and count: "-" where no round has every
+    baseline of the strategy. Rounds are (results file, pass) as `main` numbers them."""
+    bases = [a for a in BASELINES if (tag, a) in groups]
+    ratios = []
+    for r in runs:
+        if not (r.get("ok") and r.get("median_step_s")) or "_round" not in r:
+            continue
+        best = []
+        for a in bases:
+            same = [b["median_step_s"] for b in groups[(tag, a)]
+                    if b.get("_round") == r["_round"] and b.get("ok") and b.get("median_step_s")]
+            if not same:
+                break
+            best.extend(same)
+        else:
+            if best:
+                ratios.append(r["median_step_s"] / min(best))
+    if not ratios:
+        return "-"
+    g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    return f"{g:.3f} ({min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)})"
+
+
 def machine_rows(paths) -> list:
     """bench/machine_check.py's lines that run.sh wrote beside the results (machine.jsonl,
     before and after each call's runs): the host's and GPUs' speed, so that tables of two calls
@@ -136,12 +170,17 @@ def main(*paths: str, merge: bool = False) -> int:
     """The tables of the results files `paths` (several calls' files read as one); `merge`
     joins the runs of native2 to native's and of gmlake+host_timing:1 to gmlake's."""
     groups, search = OrderedDict(), {}
-    for r in report.load(list(paths)):
-        if r.get("kind") == "workload":
-            a = report.decision_label(r["allocator"]) if merge else r["allocator"]
-            groups.setdefault((r.get("tag", ""), a), []).append(r)
-        elif r.get("kind") == "max_batch":
-            search[r["allocator"]] = r
+    passes = {}  # (file, tag, label as run) -> runs seen: the pass a run belongs to
+    for i, path in enumerate(paths):
+        for r in report.load([path]):
+            if r.get("kind") == "workload":
+                key = (i, r.get("tag", ""), r["allocator"])
+                r["_round"] = (i, passes.get(key, 0))
+                passes[key] = passes.get(key, 0) + 1
+                a = report.decision_label(r["allocator"]) if merge else r["allocator"]
+                groups.setdefault((r.get("tag", ""), a), []).append(r)
+            elif r.get("kind") == "max_batch":
+                search[r["allocator"]] = r
 
     rows = []
     for (tag, alloc), runs in groups.items():
@@ -155,7 +194,7 @@ def main(*paths: str, merge: bool = False) -> int:
         ok = [r for r in runs if r.get("ok")]
         timed = step(ok)
         if timed is None:
-            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 11)
+            rows.append([strat, alloc, str(len(runs)), runs[0].get("error", "failed")[:60]] + [""] * 12)
             continue
         notes = {losses_note(ref, r.get("model", {}).get("losses")) for r in ok}
         same = "yes" if notes == {"yes"} else "; ".join(sorted(n for n in notes if n != "yes"))
@@ -172,6 +211,7 @@ def main(*paths: str, merge: bool = False) -> int:
                      report.fnum(m / best if best else None),
                      f"{all_steps[0] * 1e3:.0f} ms ({all_steps[1]})" if all_steps else "-",
                      report.fnum(all_steps[0] / best_all if all_steps and best_all else None),
+                     paired(ok, tag, groups) if alloc not in BASELINES else "-",
                      same,
                      per_step(ok, "median_driver_calls_per_step"),
                      per_step(ok, "median_vmm_calls_per_step"),
@@ -179,7 +219,8 @@ def main(*paths: str, merge: bool = False) -> int:
     print("\n".join(report.table(
         ["strategy", "allocator", "runs", "peak active", "peak reserved", "utilization",
          "median step (spread)", "vs faster baseline", "median of all steps (steps)",
-         "vs faster baseline, all steps", "losses equal native's",
+         "vs faster baseline, all steps",
+         "vs faster baseline, round by round (range, rounds)", "losses equal native's",
          "driver calls a step", "of them VMM (map, unmap, access, create, release)",
          "allocator ms a step", "slowest gmlake call (where its time went)"], rows)))
     if search:

@@ -677,6 +677,38 @@ def test_zero3_table_shows_the_machine_checks(tmp_path):
     assert "| 2026-11-27T16:30:00 | 230.0 | 3.25 | - |" in lines, lines
 
 
+def test_zero3_table_compares_round_by_round(tmp_path):
+    """Run k of gmlake against run k of the baselines in the same results file, the faster of
+    them, in rounds where every baseline of the strategy ran: the geometric mean of the ratios,
+    their range and count. A round without expandable segments (file b) is left out."""
+    sys.path.insert(0, str(BENCH / "deepspeed"))
+    import contextlib
+    import io
+
+    import table
+
+    def run(a, s):
+        return {"kind": "workload", "tag": "zero3-LR", "allocator": a, "ok": True,
+                "median_step_s": s, "step_times_s": [s], "peak_active_bytes": 9 * GiB,
+                "peak_reserved_bytes": 10 * GiB, "model": {"losses": [1.0]}}
+    first = [run("native", 1.0), run("expandable", 1.2), run("gmlake", 0.9),
+             run("native", 2.0), run("expandable", 2.1), run("gmlake", 2.2)]
+    second = [run("native", 1.5), run("gmlake", 1.0)]
+    p1, p2 = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    p1.write_text("\n".join(json.dumps(r) for r in first))
+    p2.write_text("\n".join(json.dumps(r) for r in second))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert table.main(str(p1), str(p2)) == 0
+    lines = buf.getvalue().splitlines()
+    assert "round by round" in lines[0], lines[0]
+    g = next(x for x in lines if x.startswith("| LR | gmlake |"))
+    # 0.9 / 1.0 and 2.2 / 2.0: geometric mean sqrt(0.99) = 0.995.
+    assert "0.995 (0.900-1.100, 2)" in g, g
+    n = next(x for x in lines if x.startswith("| LR | native |"))
+    assert "(0." not in n, n  # baselines get no round-by-round figure
+
+
 def test_zero3_table_pools_steps_and_merges_runs(tmp_path):
     """The median of every measured step beside the median of the runs' medians (one slow run
     moves the first by one step, the second by the whole run); with --merge, native2's runs join
