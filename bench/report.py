@@ -64,14 +64,15 @@ UNITS = {"llm_lora": "sequences", "fsdp_offload": "sequences", "moe": "x1024 tok
 
 def decision_label(allocator: str) -> str:
     """The allocator whose decisions a run's label names: native2 is native's second run, and
-    gmlake with nothing but `host_timing:1` (which times its calls and changes no decision) is
-    gmlake; any other label is its own."""
+    `host_timing:1` (which times gmlake's calls and changes no decision) is dropped from a
+    gmlake label (`gmlake+host_timing:1` is gmlake, `gmlake+reuse_fenced_blocks:1,host_timing:1`
+    is `gmlake+reuse_fenced_blocks:1`); any other label is its own."""
     if allocator == "native2":
         return "native"
     if allocator.startswith("gmlake+"):
         keys = [kv for kv in allocator[len("gmlake+"):].split(",") if kv]
-        if keys and all(kv.replace(" ", "") == "host_timing:1" for kv in keys):
-            return "gmlake"
+        kept = [kv for kv in keys if kv.replace(" ", "") != "host_timing:1"]
+        return "gmlake+" + ",".join(kept) if kept else "gmlake"
     return allocator
 
 

@@ -168,7 +168,8 @@ def machine_rows(paths) -> list:
 
 def main(*paths: str, merge: bool = False) -> int:
     """The tables of the results files `paths` (several calls' files read as one); `merge`
-    joins the runs of native2 to native's and of gmlake+host_timing:1 to gmlake's."""
+    joins the runs of native2 to native's, and those of a gmlake label with `host_timing:1` to
+    the same label without it (`report.decision_label`)."""
     groups, search = OrderedDict(), {}
     passes = {}  # (file, tag, label as run) -> runs seen: the pass a run belongs to
     for i, path in enumerate(paths):
@@ -250,6 +251,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="results.jsonl files (several calls' read as one)")
     ap.add_argument("--merge", action="store_true",
-                    help="join native2's runs to native's and gmlake+host_timing:1's to gmlake's")
+                    help="join native2's runs to native's, and a gmlake label's runs with "
+                         "host_timing:1 to those without it")
     a = ap.parse_args()
     sys.exit(main(*a.results, merge=a.merge))

@@ -677,6 +677,18 @@ def test_zero3_table_shows_the_machine_checks(tmp_path):
     assert "| 2026-11-27T16:30:00 | 230.0 | 3.25 | - |" in lines, lines
 
 
+def test_decision_label_drops_host_timing_only():
+    """host_timing:1 changes no decision, so runs with it join those without; other settings
+    keep their own label."""
+    assert report.decision_label("native2") == "native"
+    assert report.decision_label("gmlake+host_timing:1") == "gmlake"
+    assert report.decision_label("gmlake+reuse_fenced_blocks:1,host_timing:1") == \
+        "gmlake+reuse_fenced_blocks:1"
+    assert report.decision_label("gmlake+host_timing:1,page_size:8MiB") == "gmlake+page_size:8MiB"
+    assert report.decision_label("gmlake+host_timing:0") == "gmlake+host_timing:0"
+    assert report.decision_label("expandable") == "expandable"
+
+
 def test_zero3_table_compares_round_by_round(tmp_path):
     """Run k of gmlake against run k of the baselines in the same results file, the faster of
     them, in rounds where every baseline of the strategy ran: the geometric mean of the ratios,
