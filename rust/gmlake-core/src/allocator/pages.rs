@@ -329,10 +329,11 @@ impl State {
     /// counting the pages of other streams' free blocks whose own free is behind a completed
     /// fence, `ReuseView::FencedBlocks`) found no kept window with at most `max_busy` busy
     /// pages: brings the other streams' fences up to date (`refresh_fences`: an event query,
-    /// and a record where none is pending; no wait) and scans again. Safe as `may_give` is: the
-    /// fence's event was recorded on the block's stream after the block was freed there, and
-    /// it has completed, so no queued work of that stream still uses the block. Only after a
-    /// failed scan, and only where such pages exist: the refresh is two event calls a stream.
+    /// and a record where none is pending; no wait) and, if a fence completed, scans again.
+    /// Safe as `may_give` is: the fence's event was recorded on the block's stream after the
+    /// block was freed there, and it has completed, so no queued work of that stream still
+    /// uses the block. Only after a failed scan, and only where such pages exist: the refresh
+    /// is two event calls a stream.
     pub(super) fn reuse_fenced_blocks<D: Device>(
         &mut self,
         dev: &D,
@@ -344,7 +345,10 @@ impl State {
         if self.arenas[aid as usize].lent_pages() == 0 || !self.has_unfenced_pages(stream) {
             return Ok(None);
         }
-        self.refresh_fences(dev, stream)?;
+        // A refresh that completed no fence leaves the scan's answer as it was.
+        if !self.refresh_fences(dev, stream)? {
+            return Ok(None);
+        }
         let (found, cursor) = self.find_reuse(aid, size, max_busy, ReuseView::FencedBlocks);
         self.arenas[aid as usize].reuse_cursor = cursor;
         if found.is_some() {
@@ -433,11 +437,7 @@ impl State {
     /// Pages of this arena may be taken for `stream`: same stream, or fenced since its last
     /// free, or `stream` waits (on the device) for the arena's stream since its last free.
     pub(super) fn may_give(&self, a: &Arena, stream: StreamId) -> bool {
-        self.pool_may_give(a)
-            && (a.key.stream == stream
-                || self
-                    .covered_until(a.key.stream, stream)
-                    .is_some_and(|c| a.last_free <= c))
+        self.gives_freed_until(a, stream, ReuseView::Now).is_some()
     }
 
     /// The latest free stamp of stream `other` whose pages `stream` may take: every free of
@@ -453,7 +453,8 @@ impl State {
     /// How a kept-window scan (`find_reuse`) decides that another stream's free block may
     /// give its pages to `stream`: the free blocks of arena `a` freed at or before the stamp
     /// returned may (`u64::MAX`: all of them; `None`: none).
-    /// - `ReuseView::Now`: all of them where the arena may give as a whole (`may_give`);
+    /// - `ReuseView::Now`: all of them where the arena may give as a whole (`may_give` is
+    ///   this view);
     /// - `ReuseView::FencedBlocks` (`reuse_fenced_blocks`): also those whose own free is
     ///   covered (`covered_until`), where the arena's last free is not;
     /// - `ReuseView::AfterWait`: all of them, as if `stream` had waited for every other
@@ -461,13 +462,16 @@ impl State {
     ///   live graph pool give).
     fn gives_freed_until(&self, a: &Arena, stream: StreamId, view: ReuseView) -> Option<u64> {
         if !self.pool_may_give(a) {
-            None
-        } else if view == ReuseView::AfterWait || self.may_give(a, stream) {
+            return None;
+        }
+        if view == ReuseView::AfterWait || a.key.stream == stream {
+            return Some(u64::MAX);
+        }
+        let covered = self.covered_until(a.key.stream, stream)?;
+        if a.last_free <= covered {
             Some(u64::MAX)
-        } else if view == ReuseView::FencedBlocks {
-            self.covered_until(a.key.stream, stream)
         } else {
-            None
+            (view == ReuseView::FencedBlocks).then_some(covered)
         }
     }
 

@@ -32,8 +32,10 @@ pub(super) struct Fence {
 
 impl State {
     /// Completes fences whose events are done and records new ones on streams whose free
-    /// blocks are not yet fenced.
-    pub(super) fn refresh_fences<D: Device>(&mut self, dev: &D, stream: StreamId) -> Result<()> {
+    /// blocks are not yet fenced. True when some fence completed (what `stream` may take
+    /// changed).
+    pub(super) fn refresh_fences<D: Device>(&mut self, dev: &D, stream: StreamId) -> Result<bool> {
+        let mut advanced = false;
         let mut streams: Vec<(StreamId, u64)> = Vec::new();
         for a in &self.arenas {
             if a.key.stream != stream && a.stealable_pages > 0 && self.pool_may_give(a) {
@@ -53,6 +55,7 @@ impl State {
                     let f = self.fences.entry(s).or_default();
                     f.completed = stamp;
                     f.pending = None;
+                    advanced = true;
                     self.event_pool.push(e);
                 }
             }
@@ -67,11 +70,12 @@ impl State {
                     let f = self.fences.entry(s).or_default();
                     f.completed = self.now;
                     f.pending = None;
+                    advanced = true;
                     self.event_pool.push(e);
                 }
             }
         }
-        Ok(())
+        Ok(advanced)
     }
 
     /// An event from the pool, or a new one.
