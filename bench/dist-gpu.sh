@@ -30,7 +30,8 @@ run() { # mode name gmlake? [conf]
 for mode in ${MODES:-fsdp ddp}; do
   run "$mode" native 0
   if [ -n "${CONFS:-}" ]; then
-    IFS=';' read -ra confs <<<"$CONFS"
+    # The added ';' keeps a last empty entry (the defaults): read drops one trailing empty field.
+    IFS=';' read -ra confs <<<"$CONFS;"
     i=0
     for c in "${confs[@]}"; do run "$mode" "g$i" 1 "$c"; i=$((i + 1)); done
   else
@@ -47,6 +48,9 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-rank*.json"))):
              for k, v in w.items() if k in ("gmlake.driver_calls", "gmlake.driver_calls.map",
                                             "gmlake.driver_calls.unmap", "gmlake.driver_calls.set_access",
                                             "gmlake.driver_calls.create_physical", "gmlake.driver_calls.stream_wait")}
+    host = w.get("gmlake.host_ns_alloc", 0) + w.get("gmlake.host_ns_free", 0)
+    if host:
+        calls["allocator ms"] = round(host / 1e6, 2)
     print(os.path.basename(f), "util %.4f" % d["utilization"], "step %.1f ms" % d["median_step_ms"],
           "peak reserved %d" % d["peak_reserved"], "calls/step %s" % (calls or "-"),
           "waits", d.get("gmlake.driver_calls.stream_wait", "-"),

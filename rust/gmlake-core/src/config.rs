@@ -106,7 +106,8 @@ pub struct Config {
     /// stream's blocks between steps (the main stream frees all the time, so its last free is
     /// never fenced when a side stream asks). ZeRO-3 on four H200s, rank 0's VMM calls a step
     /// after warm-up: N 127-202 -> 0 (after its first measured step), LR 133 -> 47 (median);
-    /// in the replay FSDP2's driver time rises by half.
+    /// but FSDP2 on two H200s makes twice the driver calls (127-160 a step against 65-77) at
+    /// no gain in utilization, as the replay said: hence off.
     /// docs/design.md, "Reusing windows whose pages rest on another stream".
     pub reuse_fenced_blocks: bool,
     /// `host_timing`: the bridge to PyTorch (gmlake-ffi) times every allocation and free that

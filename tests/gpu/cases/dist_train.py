@@ -154,10 +154,12 @@ peak_res = torch.cuda.max_memory_reserved(device)
 backend = torch.cuda.get_allocator_backend()
 extra = gmlake_stats()
 if extra and at_warmup and STEPS > WARMUP:
-    # Counters of the steps after warm-up, per step: the steady state's driver work.
+    # Counters of the steps after warm-up, per step: the steady state's driver work, and with
+    # host_timing:1 the allocator's own time (gmlake.host_ns_alloc / host_ns_free).
     extra["after_warmup_per_step"] = {
         k: (extra[k] - at_warmup.get(k, 0)) / (STEPS - WARMUP) for k in extra
-        if k.startswith("gmlake.driver_calls") or k in ("gmlake.stitches", "gmlake.pages_stitched")}
+        if k.startswith(("gmlake.driver_calls", "gmlake.host_"))
+        or k in ("gmlake.stitches", "gmlake.pages_stitched")}
 res = dict(
     mode=MODE, rank=rank, world=world, allocator=backend, steps=STEPS, losses=losses,
     median_step_ms=1000 * statistics.median(times[WARMUP:]), peak_allocated=peak_alloc,
