@@ -8,8 +8,10 @@
 #
 # Knobs: STEPS (default 200), MODES (default "fsdp ddp"), GMLAKE_CONF (gmlake's configuration,
 # passed through), CONFS ("conf1;conf2": several gmlake runs per job, one per configuration,
-# in place of one with GMLAKE_CONF). Writes under ${OUT:-bench/out/dist}: one JSON per run and
-# rank, the runs' logs, times.txt and summary.txt. NCCL's NVLink multicast stays off.
+# in place of one with GMLAKE_CONF), REPEAT (default 1: passes through the list per job; the
+# summary, bench/dist_summary.py, compares each gmlake run with the faster native run of its
+# own pass). Writes under ${OUT:-bench/out/dist}: one JSON per run and rank, the runs' logs,
+# times.txt and summary.txt. NCCL's NVLink multicast stays off.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,33 +29,23 @@ run() { # mode name gmlake? [conf]
     >"$OUT/$mode-$name.log" 2>&1
   echo "$mode $name rc=$? $((SECONDS - t0)) s" >>"$OUT/times.txt"
 }
+REPEAT=${REPEAT:-1}
+[[ "$REPEAT" =~ ^[1-9][0-9]*$ ]] || { echo "REPEAT must be a positive integer, got '$REPEAT'"; exit 2; }
 for mode in ${MODES:-fsdp ddp}; do
-  run "$mode" native 0
-  if [ -n "${CONFS:-}" ]; then
-    # The added ';' keeps a last empty entry (the defaults): read drops one trailing empty field.
-    IFS=';' read -ra confs <<<"$CONFS;"
-    i=0
-    for c in "${confs[@]}"; do run "$mode" "g$i" 1 "$c"; i=$((i + 1)); done
-  else
-    run "$mode" g 1
-  fi
-  run "$mode" native2 0
+  for ((pass = 1; pass <= REPEAT; pass++)); do
+    sfx=""
+    [ "$pass" -gt 1 ] && sfx="-p$pass"
+    run "$mode" "native$sfx" 0
+    if [ -n "${CONFS:-}" ]; then
+      # The added ';' keeps a last empty entry (the defaults): read drops one trailing empty field.
+      IFS=';' read -ra confs <<<"$CONFS;"
+      i=0
+      for c in "${confs[@]}"; do run "$mode" "g$i$sfx" 1 "$c"; i=$((i + 1)); done
+    else
+      run "$mode" "g$sfx" 1
+    fi
+    run "$mode" "native2$sfx" 0
+  done
 done
-python3 - "$OUT" <<'PY' | tee "$OUT/summary.txt"
-import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "*-rank*.json"))):
-    d = json.load(open(f))
-    w = d.get("after_warmup_per_step") or {}
-    calls = {k.replace("gmlake.driver_calls.", "").replace("gmlake.", ""): round(v, 1)
-             for k, v in w.items() if k in ("gmlake.driver_calls", "gmlake.driver_calls.map",
-                                            "gmlake.driver_calls.unmap", "gmlake.driver_calls.set_access",
-                                            "gmlake.driver_calls.create_physical", "gmlake.driver_calls.stream_wait")}
-    host = w.get("gmlake.host_ns_alloc", 0) + w.get("gmlake.host_ns_free", 0)
-    if host:
-        calls["allocator ms"] = round(host / 1e6, 2)
-    print(os.path.basename(f), "util %.4f" % d["utilization"], "step %.1f ms" % d["median_step_ms"],
-          "peak reserved %d" % d["peak_reserved"], "calls/step %s" % (calls or "-"),
-          "waits", d.get("gmlake.driver_calls.stream_wait", "-"),
-          "evictions", d.get("gmlake.alias_evictions", "-"), "loss", d["losses"][-1])
-PY
+python3 bench/dist_summary.py "$OUT" | tee "$OUT/summary.txt"
 cat "$OUT/times.txt"

@@ -1,6 +1,7 @@
 """bench/dist-gpu.sh's CONFS: one gmlake run per ';'-separated configuration, in order, an
-empty entry meaning the defaults (wherever it stands), between native and native again. A
-shim `python3` on PATH records each torchrun launch instead of starting one."""
+empty entry meaning the defaults (wherever it stands), between native and native again,
+REPEAT passes of that; a shim `python3` on PATH records each torchrun launch instead of
+starting one. And bench/dist_summary.py's pass-by-pass comparison."""
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ exec {real} "$@"
 """
 
 
-def launches(tmp_path, confs, modes="fsdp"):
+def launches(tmp_path, confs, modes="fsdp", repeat="1"):
     shim_dir = tmp_path / "bin"
     shim_dir.mkdir()
     shim = shim_dir / "python3"
@@ -28,7 +29,7 @@ def launches(tmp_path, confs, modes="fsdp"):
     shim.chmod(0o755)
     log = tmp_path / "launches.jsonl"
     env = dict(os.environ, PATH=f"{shim_dir}:{os.environ['PATH']}", SHIM_LOG=str(log),
-               OUT=str(tmp_path / "out"), MODES=modes, CONFS=confs)
+               OUT=str(tmp_path / "out"), MODES=modes, CONFS=confs, REPEAT=repeat)
     env.pop("GMLAKE_CONF", None)
     r = subprocess.run(["bash", str(BENCH / "dist-gpu.sh"), str(tmp_path / "lib.so")], env=env,
                        capture_output=True, text=True, timeout=60)
@@ -54,6 +55,54 @@ def test_one_configuration(tmp_path):
     runs = launches(tmp_path, "host_timing:1")
     assert [(r["run"], r["conf"]) for r in runs] == [
         ("-native", ""), ("-g0", "host_timing:1"), ("-native2", "")]
+
+
+def test_repeat_names_each_pass(tmp_path):
+    runs = launches(tmp_path, ";reuse_fenced_blocks:1", modes="fsdp", repeat="2")
+    assert [r["run"] for r in runs] == [
+        "-native", "-g0", "-g1", "-native2", "-native-p2", "-g0-p2", "-g1-p2", "-native2-p2"]
+
+
+def test_a_bad_repeat_is_named(tmp_path):
+    shim_dir = tmp_path / "bin"
+    r = subprocess.run(["bash", str(BENCH / "dist-gpu.sh"), str(tmp_path / "lib.so")],
+                       env=dict(os.environ, OUT=str(tmp_path / "out"), REPEAT="two"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "REPEAT" in r.stdout and not shim_dir.exists()
+
+
+def record(folder, fname, step, util=0.98, calls=None, host_ns=None, conf=""):
+    d = {"utilization": util, "median_step_ms": step, "peak_reserved": 1, "losses": [1.0]}
+    if calls is not None:
+        d["after_warmup_per_step"] = {"gmlake.driver_calls": calls}
+        if host_ns is not None:
+            d["after_warmup_per_step"]["gmlake.host_ns_alloc"] = host_ns
+        d["gmlake_conf"] = conf
+    (folder / fname).write_text(json.dumps(d))
+
+
+def test_the_summary_compares_each_gmlake_run_with_its_own_pass(tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import dist_summary
+
+    # Pass 1: natives 100 and 90 ms, gmlake 99 (1.1x the faster); pass 2: the host is slower,
+    # natives 150 and 160, gmlake 165 (1.1x). Against the other pass's native it would read
+    # 1.83x or 0.66x. Pass 3 has no native run: left out.
+    record(tmp_path, "fsdp-native-native-rank0.json", 100)
+    record(tmp_path, "fsdp-gmlake-g0-rank0.json", 99, calls=70, host_ns=6e6, conf="host_timing:1")
+    record(tmp_path, "fsdp-native-native2-rank0.json", 90)
+    record(tmp_path, "fsdp-native-native-p2-rank0.json", 150)
+    record(tmp_path, "fsdp-gmlake-g0-p2-rank0.json", 165, calls=80, host_ns=7e6, conf="host_timing:1")
+    record(tmp_path, "fsdp-native-native2-p2-rank0.json", 160)
+    record(tmp_path, "fsdp-gmlake-g0-p3-rank0.json", 500, calls=90, conf="host_timing:1")
+    runs = dist_summary.load(str(tmp_path))
+    r = dist_summary.rounds(runs)
+    assert sorted(p for p, _ in r[("fsdp", "g0")][0]) == [1, 2]
+    assert all(abs(x - 1.1) < 1e-9 for _, x in r[("fsdp", "g0")][0])
+    table = dist_summary.round_table(runs)
+    row = [line for line in table if line.startswith("| fsdp | g0 |")]
+    assert row == ["| fsdp | g0 | host_timing:1 | 0 | 2 | 1.100 | 1.100-1.100 | 0.980 | 70-80 "
+                   "| 6.0-7.0 |"], table
 
 
 if __name__ == "__main__":

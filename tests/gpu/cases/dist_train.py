@@ -164,7 +164,8 @@ res = dict(
     mode=MODE, rank=rank, world=world, allocator=backend, steps=STEPS, losses=losses,
     median_step_ms=1000 * statistics.median(times[WARMUP:]), peak_allocated=peak_alloc,
     peak_reserved=peak_res, utilization=peak_alloc / peak_res if peak_res else 0.0,
-    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), **extra, **traced,
+    nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+    gmlake_conf=os.environ.get("GMLAKE_CONF", "") if extra else "", **extra, **traced,
     peak_reserved_by_step=reserved,
 )
 with open(os.path.join(OUT, f"{MODE}-{backend}{RUN}-rank{rank}.json"), "w") as f:
