@@ -77,6 +77,8 @@ def rounds(runs):
 
 
 def round_table(runs):
+    """The pass-by-pass table (markdown lines), one row per job, gmlake run and rank; [] when
+    no gmlake run has a native run in its pass."""
     r = rounds(runs)
     if not r:
         return []
@@ -108,6 +110,9 @@ def main(argv):
         print("usage: python3 bench/dist_summary.py OUT_DIR", file=sys.stderr)
         return 2
     runs = load(argv[1])
+    if not runs:
+        print(f"no run files (MODE-BACKEND-NAME-rankR.json) in {argv[1]}", file=sys.stderr)
+        return 1
     for line in run_lines(runs):
         print(line)
     table = round_table(runs)

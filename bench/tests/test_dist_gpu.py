@@ -109,5 +109,11 @@ def test_the_summary_compares_each_gmlake_run_with_its_own_pass(tmp_path):
                    "| 6.0-7.0 |"], table
 
 
+def test_the_summary_names_a_folder_without_runs(tmp_path):
+    r = subprocess.run([sys.executable, str(BENCH / "dist_summary.py"), str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "no run files" in r.stderr and "none" in r.stderr
+
+
 if __name__ == "__main__":
     sys.exit(subprocess.call([sys.executable, "-m", "pytest", "-q", __file__]))
