@@ -61,6 +61,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
         deferred_frees: !args.instant_frees,
         windows: args.windows.map_or(0, usize::from),
         waste_at_peak: args.waste_at_peak,
+        misses: args.misses,
         series_points: if args.plot.is_some() {
             SERIES_POINTS
         } else {
@@ -200,6 +201,7 @@ fn page_size_trials(
     let options = ReplayOptions {
         windows: 0,
         waste_at_peak: false,
+        misses: false,
         series_points: 0,
         ..*options
     };

@@ -226,6 +226,15 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub waste_at_peak: bool,
 
+    /// Also report the allocations of the trace's second half that took no kept window (each
+    /// mapped a new range: the steady state's driver calls), with why: whether a kept window
+    /// of the size existed, its busy pages against the most a reuse may replace, and what
+    /// held them (live blocks of the same stream or of another, another stream's free blocks
+    /// not yet fenced) (JSON: `misses_second_half`, sums and the first 20; table: a note per
+    /// device). Costs one more reuse scan at each miss; decisions do not change.
+    #[arg(long)]
+    pub misses: bool,
+
     /// Also replay each device with uniform pages of 2, 4, 8, 16 and 32 times the page size
     /// and suggest the largest whose utilization stays within TOLERANCE (default 0.01) of the
     /// replay's own: larger pages mean fewer driver calls (one per page moved), at some

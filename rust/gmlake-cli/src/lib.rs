@@ -10,12 +10,14 @@
 //! - [`cli`], [`app`], [`progress`], [`clock`]: the command itself;
 //! - [`tier`]: `gmlake tier-replay`, traces of host-tier operations (issue 16);
 //! - [`ops`]: `gmlake ops`, a snapshot's allocations and frees as a list for timing allocators;
-//! - [`waste`]: where held but unused memory sits at the replay's peak (`--waste-at-peak`).
+//! - [`waste`]: where held but unused memory sits at the replay's peak (`--waste-at-peak`);
+//! - [`misses`]: the second half's allocations that took no kept window, and why (`--misses`).
 
 pub mod app;
 pub mod cli;
 pub mod clock;
 pub use gmlake_core::cost;
+pub mod misses;
 pub mod native;
 pub mod ops;
 pub mod plot;

@@ -43,6 +43,13 @@ pub trait Backend {
     fn waste(&self) -> Option<crate::waste::Waste> {
         None
     }
+    /// Starts logging the allocations that take no kept window (`--misses`), for a backend
+    /// that stitches.
+    fn log_misses(&mut self) {}
+    /// The misses logged since the last call.
+    fn take_misses(&mut self) -> Vec<gmlake_core::MissRecord> {
+        Vec::new()
+    }
 }
 
 /// The stitcher's counters (accumulated counters of gmlake's statistics) that `--windows`
@@ -62,6 +69,10 @@ pub type StitchCounts = [u64; WINDOW_COUNTERS.len()];
 
 /// (events so far, driver calls so far, stitch counters so far) at the end of a window.
 pub type WindowSnapshot = (usize, DriverCalls, StitchCounts);
+
+/// The allocator's miss log holds this many (`--misses`): the replay takes them after every
+/// allocation, so one is enough; a margin all the same.
+const MISS_LOG_CAPACITY: usize = 64;
 
 /// Streams the replay gives to frees that wait (`--deferred-frees`): far above any stream id
 /// of a trace (those are CUDA stream pointers).
@@ -180,6 +191,12 @@ impl Backend for SimBackend {
             reserved,
         ))
     }
+    fn log_misses(&mut self) {
+        self.allocator.set_miss_log(MISS_LOG_CAPACITY);
+    }
+    fn take_misses(&mut self) -> Vec<gmlake_core::MissRecord> {
+        self.allocator.take_misses()
+    }
     fn free_after(&mut self, ptr: DevicePtr, waiter: StreamId) -> Result<(), CoreError> {
         self.allocator.record_stream(ptr, waiter)?;
         self.allocator.free(ptr)
@@ -235,6 +252,9 @@ pub struct ReplayOptions {
     /// `--waste-at-peak`: read where the held memory sits at each new peak of it (a
     /// snapshot, O(blocks), only when the peak rises) and keep the last.
     pub waste_at_peak: bool,
+    /// `--misses`: keep the second half's allocations that took no kept window, with the
+    /// allocator's account of why (one more reuse scan at each miss).
+    pub misses: bool,
 }
 
 /// What one replay measured.
@@ -271,6 +291,9 @@ pub struct Measures {
     pub windows: Vec<WindowSnapshot>,
     /// `--waste-at-peak`: where the held memory sat when it was at its peak.
     pub waste_at_peak: Option<crate::waste::Waste>,
+    /// `--misses`: (event, record) of each allocation of the second half that took no kept
+    /// window (`None`: not asked, or a backend that does not stitch).
+    pub misses: Option<Vec<(usize, gmlake_core::MissRecord)>>,
 }
 
 /// Why a replay stopped, at which event.
@@ -433,6 +456,10 @@ pub fn replay<B: Backend>(
     let mut window_snapshots = Vec::with_capacity(windows);
     let mut next_window = 1usize;
     let mut waste_at_peak = None;
+    let mut misses = options.misses.then(Vec::new);
+    if options.misses {
+        backend.log_misses();
+    }
     let snapshot = |b: &B, events_so_far: usize| -> Option<WindowSnapshot> {
         let counts = b.stitch_counts().unwrap_or_default();
         b.driver_calls().map(|calls| (events_so_far, calls, counts))
@@ -473,6 +500,12 @@ pub fn replay<B: Backend>(
                     }
                 };
                 reserved = backend.reserved_bytes();
+                if let Some(m) = misses.as_mut() {
+                    let taken = backend.take_misses();
+                    if i >= half {
+                        m.extend(taken.into_iter().map(|r| (i, r)));
+                    }
+                }
                 let (size, waiting) = (e.size, None);
                 live.insert(e.addr, Live { size, ptr, waiting });
                 active = active.saturating_add(e.size);
@@ -548,6 +581,7 @@ pub fn replay<B: Backend>(
         half_driver_calls,
         windows: window_snapshots,
         waste_at_peak,
+        misses,
     })
 }
 
@@ -607,6 +641,7 @@ mod tests {
             deferred_frees: false,
             windows: 0,
             waste_at_peak: false,
+            misses: false,
         }
     }
 

@@ -42,6 +42,10 @@ pub struct Row {
     /// `--waste-at-peak`: where the held memory sat at its peak (`waste::Waste`, bytes).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub waste_at_peak: Option<crate::waste::Waste>,
+    /// `--misses`: the second half's allocations that took no kept window, summed, with the
+    /// first of them (`misses::Misses`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub misses_second_half: Option<crate::misses::Misses>,
     /// Estimated host time of the driver calls (ms), from per-call costs measured on an H100
     /// (`cost.rs`): idle GPU and busy GPU, whole trace and second half.
     pub driver_ms_idle: Option<f64>,
@@ -255,6 +259,9 @@ impl Row {
             driver_calls_second_half: second.as_ref().map(|c| c.total()),
             driver_calls_windows: window_rows(&m.windows),
             waste_at_peak: m.waste_at_peak,
+            misses_second_half: ours
+                .and(m.misses.as_ref())
+                .map(|v| crate::misses::Misses::of(v)),
             driver_ms_idle: est.map(|e| e.0),
             driver_ms_busy: est.map(|e| e.1),
             driver_ms_idle_second_half: est2.map(|e| e.0),
@@ -298,6 +305,9 @@ impl Row {
         let mut notes = Vec::new();
         if let Some(w) = &self.waste_at_peak {
             notes.push(format!("{at}: at the peak, {}", w.line()));
+        }
+        if let Some(m) = &self.misses_second_half {
+            notes.push(format!("{at}: {}", m.line()));
         }
         if let Some(s) = &self.page_size_suggestion {
             let (tol, base) = (s.tolerance, self.utilization.unwrap_or(0.0));
@@ -547,6 +557,7 @@ mod tests {
             half_driver_calls: None,
             windows: Vec::new(),
             waste_at_peak: None,
+            misses: None,
         }
     }
 

@@ -1107,3 +1107,44 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
         text(&bad.stderr)
     );
 }
+
+/// `--misses` on the two-rank FSDP2 trace with busy side streams (whose steady state still
+/// maps, as the GPU's does): the second half's misses are reported with the best window's
+/// busy pages split by holder (the split adds up), at most 20 listed, each listed one from
+/// the second half; and asking changes no decision (same peak, same driver calls).
+#[test]
+fn misses_report_the_second_halfs_misses_without_changing_a_decision() {
+    let args = ["--busy-side-streams"];
+    let plain = replay_row("fsdp2-2rank-rank0.pickle.gz", &args);
+    let row = replay_row(
+        "fsdp2-2rank-rank0.pickle.gz",
+        &["--busy-side-streams", "--misses"],
+    );
+    assert!(plain.get("misses_second_half").is_none());
+    for k in ["peak_reserved_bytes", "driver_calls"] {
+        assert_eq!(row[k], plain[k], "{k} changed with --misses");
+    }
+    let m = &row["misses_second_half"];
+    let n = |k: &str| m[k].as_u64().unwrap_or_else(|| panic!("{k} in {m}"));
+    assert!(n("count") > 0 && n("with_window") <= n("count"), "{m}");
+    let held: u64 = [
+        "held_live_same_stream",
+        "held_live_other_stream",
+        "held_free_unfenced",
+    ]
+    .iter()
+    .chain(&["held_other"])
+    .map(|k| n(k))
+    .sum();
+    assert_eq!(held, n("busy"), "{m}");
+    let first = m["first"].as_array().unwrap();
+    assert!(!first.is_empty() && first.len() <= 20, "{m}");
+    let half = row["events"].as_u64().unwrap() / 2;
+    for f in first {
+        assert!(f["event"].as_u64().unwrap() >= half, "{f}");
+        if let Some(b) = f["best_busy"].as_array() {
+            let v: Vec<u64> = b.iter().map(|x| x.as_u64().unwrap()).collect();
+            assert_eq!(v[0], v[1..].iter().sum::<u64>(), "{f}");
+        }
+    }
+}

@@ -30,7 +30,10 @@ pub mod stats;
 pub mod tier;
 pub mod tier_trace;
 
-pub use allocator::{AllocationInfo, Allocator, CacheInfo, GraphPoolId, TraceAction, TraceEvent};
+pub use allocator::{
+    AllocationInfo, Allocator, CacheInfo, GraphPoolId, MissRecord, MissWindow, TraceAction,
+    TraceEvent,
+};
 pub use config::{parse_size, Config, StitchStrategy};
 pub use debug::DebugConfig;
 pub use device::{

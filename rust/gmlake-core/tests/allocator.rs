@@ -521,3 +521,52 @@ fn host_timing_times_every_driver_call_of_a_call_and_the_wait_for_the_lock() {
     }
     panic!("no call waited for the lock in 200 tries");
 }
+
+/// The miss log (`set_miss_log`): stream 1's kept range has all its pages live in a block of
+/// stream 2, so stream 1's next request of that size takes no window and maps a new range;
+/// the log names the kept range as the best window, its 8 pages busy, held by a live block of
+/// another stream, and the request's bounds (a quarter of 8 pages may be replaced). Logging
+/// changes no decision: the same address and the same driver calls with the log off.
+#[test]
+fn the_miss_log_names_what_holds_a_kept_windows_busy_pages() {
+    let mut seen = Vec::new();
+    for log in [false, true] {
+        let (dev, a) = setup(256 * MIB, Config::default());
+        if log {
+            a.set_miss_log(16);
+        }
+        let p = a.allocate(16 * MIB, 1).unwrap();
+        dev.fill(p, 16 * MIB, 1, 1).unwrap();
+        a.free(p).unwrap();
+        let q = a.allocate(16 * MIB, 2).unwrap(); // stitched from p's pages
+        assert_ne!(q, p);
+        let before = a.take_misses().len();
+        let r = a.allocate(16 * MIB, 1).unwrap();
+        assert_ne!(r, p, "the kept range's pages are live in q");
+        let misses = a.take_misses();
+        seen.push((r, a.stats().driver_calls.total()));
+        if !log {
+            assert!(
+                misses.is_empty() && before == 0,
+                "the log is off by default"
+            );
+            continue;
+        }
+        let m = misses.last().expect("the miss was logged");
+        assert_eq!((m.stream, m.size), (1, 16 * MIB));
+        assert_eq!(m.max_busy, 2, "{m:?}");
+        let w = m.best.as_ref().expect("the kept range is the best window");
+        assert_eq!(w.start, p);
+        assert_eq!((w.lent_pages, w.busy), (8, 8), "{w:?}");
+        assert_eq!(w.held_live_other_stream, 8, "{w:?}");
+        assert_eq!(
+            w.held_live_same_stream + w.held_free_unfenced + w.held_other,
+            0,
+            "{w:?}"
+        );
+        assert!(a.take_misses().is_empty(), "taking empties the log");
+        a.set_miss_log(0);
+        a.verify().unwrap();
+    }
+    assert_eq!(seen[0], seen[1], "the log changed a decision");
+}

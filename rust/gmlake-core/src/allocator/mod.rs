@@ -16,7 +16,8 @@
 //! pages (spare, new, stitched, reused) and owns their accounting (`PageBook`); `streams`
 //! holds fences, pending frees, retired ranges and events; `release` returns memory
 //! (empty_cache, autoGC, alias eviction); `report` holds snapshots and the invariant check;
-//! `upgrade` holds the page-size upgrade (page generations, draining the old one).
+//! `upgrade` holds the page-size upgrade (page generations, draining the old one); `misses`
+//! logs, on request, why a miss took no kept window (a diagnostic).
 //!
 //! Stream rules, as PyTorch's: a block freed on stream S is reused on S at once; a block
 //! used on other streams (record_stream) is freed only once events recorded on those
@@ -32,6 +33,7 @@ use crate::ipc::{Imports, SharedPages};
 use crate::keys::ArenaKey;
 pub use crate::keys::GraphPoolId;
 use crate::stats::{BlockInfo, BlockState, DeviceStats, PoolKind, SegmentInfo, Snapshot};
+pub use misses::{MissRecord, MissWindow};
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::{BTreeMap, VecDeque};
@@ -158,6 +160,9 @@ struct State {
     stats: DeviceStats,
     history_cap: usize,
     history: VecDeque<TraceEvent>,
+    /// `set_miss_log`: the last `miss_log_cap` misses that took no kept window (0: off).
+    miss_log_cap: usize,
+    miss_log: VecDeque<misses::MissRecord>,
     /// The memory debugging mode; `None` when off (see `debug.rs`).
     debug: Option<Box<debug::DebugState>>,
     /// Lent pages one miss may examine for a reusable window (`pages::MAX_REUSE_CHECKS`;
@@ -191,6 +196,7 @@ macro_rules! drv {
 }
 
 mod debug;
+mod misses;
 mod pages;
 mod release;
 mod report;
@@ -281,6 +287,8 @@ impl<D: Device> Allocator<D> {
             },
             history_cap: 0,
             history: VecDeque::new(),
+            miss_log_cap: 0,
+            miss_log: VecDeque::new(),
             debug,
             reuse_checks: pages::MAX_REUSE_CHECKS,
         };
@@ -739,6 +747,22 @@ impl<D: Device> Allocator<D> {
         self.state.lock().history.drain(..).collect()
     }
 
+    /// Keeps the last `capacity` misses that took no kept window, each with the best window
+    /// and what holds its busy pages (`MissRecord`; 0 turns the log off and drops it). A
+    /// diagnostic: a logged miss costs one more reuse scan; decisions do not change.
+    pub fn set_miss_log(&self, capacity: usize) {
+        let mut st = self.state.lock();
+        st.miss_log_cap = capacity;
+        while st.miss_log.len() > capacity {
+            st.miss_log.pop_front();
+        }
+    }
+
+    /// Takes the misses logged since the last call (`set_miss_log`).
+    pub fn take_misses(&self) -> Vec<MissRecord> {
+        self.state.lock().miss_log.drain(..).collect()
+    }
+
     /// Segments (maximal mapped runs) and their blocks.
     pub fn snapshot(&self) -> Snapshot {
         self.state.lock().snapshot()
@@ -1023,6 +1047,10 @@ impl State {
                             found = Some(r);
                         }
                     }
+                }
+                if found.is_none() && self.miss_log_cap > 0 {
+                    let rec = self.describe_miss(aid, size, fresh, max_busy, view);
+                    self.log_miss(rec);
                 }
                 if let Some(r) = found {
                     if self.apply_reuse(dev, aid, &r, size)? {
