@@ -83,6 +83,11 @@ impl Misses {
 
     /// One sentence for the table's notes.
     pub fn line(&self) -> String {
+        if self.count == 0 {
+            return "in the second half no allocation had to map a new range for want of a \
+                    kept window"
+                .to_string();
+        }
         let pct = |x: u64| {
             if self.busy == 0 {
                 0.0
@@ -152,5 +157,6 @@ mod tests {
             "{line}"
         );
         assert!(line.contains("of other streams 25%"), "{line}");
+        assert!(Misses::of(&[]).line().contains("no allocation"));
     }
 }
