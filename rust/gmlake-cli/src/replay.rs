@@ -292,7 +292,7 @@ pub struct Measures {
     /// `--waste-at-peak`: where the held memory sat when it was at its peak.
     pub waste_at_peak: Option<crate::waste::Waste>,
     /// `--misses`: (event, record) of each allocation of the second half that took no kept
-    /// window (`None`: not asked, or a backend that does not stitch).
+    /// window (`None`: not asked; empty for a backend that does not stitch).
     pub misses: Option<Vec<(usize, gmlake_core::MissRecord)>>,
 }
 

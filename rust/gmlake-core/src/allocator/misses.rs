@@ -10,7 +10,8 @@ use super::*;
 /// range instead.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MissRecord {
-    /// The allocator's allocation count at the miss (orders misses; not reset).
+    /// The allocator's clock at the miss (a tick per allocation and per free; orders
+    /// misses; not reset).
     pub stamp: u64,
     pub stream: StreamId,
     /// The request, rounded as served.
