@@ -17,6 +17,9 @@ import os
 import re
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (the bench's shared formats)
+
 NAME = re.compile(r"^(?P<mode>[a-z0-9]+)-(?P<backend>[a-zA-Z0-9_]+)-(?P<name>[a-z0-9]+)"
                   r"(?:-p(?P<pass>\d+))?-rank(?P<rank>\d+)\.json$")
 CALL_KEYS = ("gmlake.driver_calls", "gmlake.driver_calls.map", "gmlake.driver_calls.unmap",
@@ -90,14 +93,14 @@ def round_table(runs):
         for rank, ratios in sorted(ranks.items()):
             ratios = sorted(ratios)
             vals = [x for _, x in ratios]
-            geo = math.exp(sum(math.log(x) for x in vals) / len(vals))
+            geo, lo, hi = report.paired_ratios(vals)
             recs = [by[(mode, name, p, rank)] for p, _ in ratios]
             steps = [per_step(d) for d in recs]
             calls = [s.get("driver_calls") for s in steps if s.get("driver_calls") is not None]
             ms = [s.get("allocator ms") for s in steps if s.get("allocator ms") is not None]
             conf = " / ".join(sorted({d.get("gmlake_conf", "") for d in recs})) or "-"
             lines.append("| %s | %s | %s | %d | %d | %.3f | %.3f-%.3f | %s | %s | %s |" % (
-                mode, name, conf, rank, len(vals), geo, min(vals), max(vals),
+                mode, name, conf, rank, len(vals), geo, lo, hi,
                 "-".join("%.3f" % x for x in sorted({min(d["utilization"] for d in recs),
                                                      max(d["utilization"] for d in recs)})),
                 "-".join("%.0f" % x for x in sorted({min(calls), max(calls)})) if calls else "-",

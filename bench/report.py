@@ -76,6 +76,15 @@ def decision_label(allocator: str) -> str:
     return allocator
 
 
+def paired_ratios(ratios: List[float]) -> Optional[Tuple[float, float, float]]:
+    """(geometric mean, lowest, highest) of step ratios measured round by round, each run
+    against the faster baseline run of its own pass (table.py, dist_summary.py); None for
+    none."""
+    if not ratios:
+        return None
+    return (math.exp(sum(math.log(x) for x in ratios) / len(ratios)), min(ratios), max(ratios))
+
+
 def load(paths: Iterable[str]) -> List[Dict[str, Any]]:
     recs = []
     for path in paths:

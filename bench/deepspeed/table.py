@@ -34,7 +34,6 @@ more (count, total, largest; they are also on their own track of the step's trac
 where each allocator's step goes."""
 
 import glob
-import math
 import os
 import re
 import statistics
@@ -139,10 +138,11 @@ def paired(runs, tag, groups) -> str:
         else:
             if best:
                 ratios.append(r["median_step_s"] / min(best))
-    if not ratios:
+    summary = report.paired_ratios(ratios)
+    if summary is None:
         return "-"
-    g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-    return f"{g:.3f} ({min(ratios):.3f}-{max(ratios):.3f}, {len(ratios)})"
+    g, lo, hi = summary
+    return f"{g:.3f} ({lo:.3f}-{hi:.3f}, {len(ratios)})"
 
 
 def machine_rows(paths) -> list:

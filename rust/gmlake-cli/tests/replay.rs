@@ -1131,9 +1131,9 @@ fn misses_report_the_second_halfs_misses_without_changing_a_decision() {
         "held_live_same_stream",
         "held_live_other_stream",
         "held_free_unfenced",
+        "held_other",
     ]
     .iter()
-    .chain(&["held_other"])
     .map(|k| n(k))
     .sum();
     assert_eq!(held, n("busy"), "{m}");

@@ -1068,8 +1068,9 @@ impl Arena {
         freed_until: u64,
         out: &mut rustc_hash::FxHashSet<PhysHandle>,
     ) {
+        let all = freed_until >= self.last_free;
         for &(n, addr) in self.stealable.settled() {
-            let old_enough = freed_until >= self.last_free
+            let old_enough = all
                 || matches!(
                     self.blocks.get(&addr).map(|b| b.state),
                     Some(BlockState::FreeMapped { freed }) if freed <= freed_until

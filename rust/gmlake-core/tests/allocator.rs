@@ -218,15 +218,22 @@ fn waits_before_release(cross_stream_wait: bool) {
 }
 
 /// Stream 1's 16 MiB range, written and freed; stream 2 takes its pages (behind a
-/// device-side wait), writes and frees them, and stream 1's range is kept as aliases of them.
-/// Returns stream 1's range.
-fn kept_range_of_freed_pages(dev: &SimDevice, a: &Allocator<Arc<SimDevice>>) -> u64 {
+/// device-side wait) into a new range and writes them, and stream 1's range is kept as
+/// aliases of them. Returns (stream 1's range, stream 2's, still live).
+fn range_taken_by_stream_2(dev: &SimDevice, a: &Allocator<Arc<SimDevice>>) -> (u64, u64) {
     let p = a.allocate(16 * MIB, 1).unwrap();
     dev.fill(p, 16 * MIB, 1, 1).unwrap();
     a.free(p).unwrap();
     let q = a.allocate(16 * MIB, 2).unwrap();
     assert_ne!(q, p, "stream 2 took stream 1's range");
     dev.fill(q, 16 * MIB, 2, 2).unwrap();
+    (p, q)
+}
+
+/// `range_taken_by_stream_2`, with stream 2's range freed: stream 1's kept range rests on
+/// free pages of stream 2. Returns stream 1's range.
+fn kept_range_of_freed_pages(dev: &SimDevice, a: &Allocator<Arc<SimDevice>>) -> u64 {
+    let (p, q) = range_taken_by_stream_2(dev, a);
     a.free(q).unwrap();
     p
 }
@@ -535,11 +542,7 @@ fn the_miss_log_names_what_holds_a_kept_windows_busy_pages() {
         if log {
             a.set_miss_log(16);
         }
-        let p = a.allocate(16 * MIB, 1).unwrap();
-        dev.fill(p, 16 * MIB, 1, 1).unwrap();
-        a.free(p).unwrap();
-        let q = a.allocate(16 * MIB, 2).unwrap(); // stitched from p's pages
-        assert_ne!(q, p);
+        let (p, _q) = range_taken_by_stream_2(&dev, &a);
         let before = a.take_misses().len();
         let r = a.allocate(16 * MIB, 1).unwrap();
         assert_ne!(r, p, "the kept range's pages are live in q");

@@ -39,7 +39,7 @@ pub struct MissWindow {
     /// The busy pages, by what holds them: a live block of the same stream, of another
     /// stream; a free block of another stream that may not give to this one yet (no fence
     /// or wait since its free); anything else (a page active inside the window itself, a
-    /// block being retired, a live graph pool).
+    /// block being retired, a free block of a live graph pool or of the old page generation).
     pub held_live_same_stream: u64,
     pub held_live_other_stream: u64,
     pub held_free_unfenced: u64,
@@ -78,18 +78,20 @@ impl State {
                         // A page only partly in a free block is held by the live block that
                         // shares it.
                         let last = hva + a.page() - 1;
-                        if matches!(b.state, ArenaState::FreeMapped { .. }) && last >= addr + b.size
+                        let state = if matches!(b.state, ArenaState::FreeMapped { .. })
+                            && last >= addr + b.size
                         {
-                            return a
-                                .block_containing(last)
-                                .map(|(_, n)| (a.key.stream, n.state));
-                        }
-                        Some((a.key.stream, b.state))
+                            a.block_containing(last)?.1.state
+                        } else {
+                            b.state
+                        };
+                        Some((a.key.stream, state, self.pool_may_give(a)))
                     });
                 match holder {
-                    Some((s, ArenaState::Live)) if s == stream => w.held_live_same_stream += 1,
-                    Some((_, ArenaState::Live)) => w.held_live_other_stream += 1,
-                    Some((s, ArenaState::FreeMapped { .. })) if s != stream => {
+                    Some((s, ArenaState::Live, _)) if s == stream => w.held_live_same_stream += 1,
+                    Some((_, ArenaState::Live, _)) => w.held_live_other_stream += 1,
+                    // Its stream's fence, not its pool, keeps it from this stream.
+                    Some((s, ArenaState::FreeMapped { .. }, true)) if s != stream => {
                         w.held_free_unfenced += 1
                     }
                     _ => w.held_other += 1,
