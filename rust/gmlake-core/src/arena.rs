@@ -1207,6 +1207,13 @@ impl Arena {
         (ptr < a + b.size).then_some((a, b))
     }
 
+    /// The start of the free mapped block containing `addr`, if one does.
+    pub fn free_mapped_start(&self, addr: u64) -> Option<u64> {
+        self.block_containing(addr)
+            .filter(|(_, b)| matches!(b.state, BlockState::FreeMapped { .. }))
+            .map(|(a, _)| a)
+    }
+
     /// The live block containing `ptr`: (base, size).
     pub fn live_containing(&self, ptr: u64) -> Option<(u64, u64)> {
         let (&a, b) = self.blocks.range(..=ptr).next_back()?;
