@@ -4,7 +4,7 @@ use crate::cli::ReplayArgs;
 use crate::plot::{self, Panel, SERIES_POINTS};
 use crate::progress::Progress;
 use crate::replay::{replay, Backend, Measures, OursSummary, ReplayOptions, SimBackend, TraceOnly};
-use crate::report::{self, PageSizeTrial, Row};
+use crate::report::{self, Jitter, JitterRun, PageSizeTrial, Row};
 use crate::series::Series;
 use crate::trace::{read_trace, DeviceTrace};
 use std::io::Write;
@@ -135,6 +135,28 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
                 }
                 progress.clear();
             }
+            if let (Some(copies), Some(_)) = (args.jitter, &ours) {
+                match jitter_runs(
+                    dev,
+                    args,
+                    &config,
+                    capacity,
+                    &options,
+                    &mut progress,
+                    copies,
+                ) {
+                    Ok(mut runs) => {
+                        runs.insert(0, JitterRun::of(0, &row));
+                        row.jitter = Some(Jitter::of(runs));
+                    }
+                    Err(e) => {
+                        progress.clear();
+                        eprintln!("gmlake: {name}: --jitter: {e}");
+                        failed = true;
+                    }
+                }
+                progress.clear();
+            }
             if args.json && writeln!(stdout, "{}", row.to_json_line()).is_err() {
                 // Standard output is gone (e.g. a closed pipe): nothing more can be reported.
                 return EXIT_FAILED;
@@ -182,6 +204,38 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
     } else {
         EXIT_OK
     }
+}
+
+/// `--jitter N`: the device's N jittered copies (seeds 1 to N), each replayed with the same
+/// allocator and options (no windows, series, waste or misses).
+fn jitter_runs(
+    dev: &DeviceTrace,
+    args: &ReplayArgs,
+    config: &gmlake_core::Config,
+    capacity: u64,
+    options: &ReplayOptions,
+    progress: &mut Progress,
+    copies: u16,
+) -> Result<Vec<JitterRun>, String> {
+    let options = ReplayOptions {
+        windows: 0,
+        waste_at_peak: false,
+        misses: false,
+        series_points: 0,
+        ..*options
+    };
+    let mut runs = Vec::with_capacity(copies as usize);
+    for seed in 1..=u64::from(copies) {
+        let copy = dev.jittered(seed);
+        let mut backend = make_backend(args, capacity, config.clone())
+            .map_err(|e| format!("cannot create the allocator: {e}"))?;
+        progress.replaying(&format!("jittered copy {seed}"), copy.events.len());
+        let m = replay_one(&copy, &mut backend, &options, progress)?;
+        let ours = backend.summary(m.sampled_peak_reserved_bytes);
+        let row = Row::new(String::new(), dev.device, capacity, &m, Some(&ours));
+        runs.push(JitterRun::of(seed, &row));
+    }
+    Ok(runs)
 }
 
 /// `--suggest-page-size`: the replay's page size, and the device replayed again with pages 2,

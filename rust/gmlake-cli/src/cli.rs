@@ -244,6 +244,16 @@ pub struct ReplayArgs {
           default_missing_value = "0.01",
           value_parser = parse_tolerance)]
     pub suggest_page_size: Option<f64>,
+
+    /// Also replay N copies of each device whose allocations are each a seeded random 0-7
+    /// times 512 bytes larger (frees follow), and report the median and range of
+    /// utilization and of the second half's driver calls and estimated busy driver time
+    /// over the trace and its copies (JSON: `jitter`; table: a note per device). A layout,
+    /// hence a peak and a steady state's driver calls, can turn on single placement
+    /// decisions: one replay may be far from what nearly the same job gets (the decode
+    /// trace: 0.925, its copies 0.892-0.897), so judge a policy change by the median.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub jitter: Option<u16>,
 }
 
 fn parse_upgrade(s: &str) -> Result<(u64, u64), String> {

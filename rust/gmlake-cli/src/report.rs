@@ -88,11 +88,108 @@ pub struct Row {
     /// time (busy GPU, second half).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub page_size_suggestion: Option<PageSizeSuggestion>,
+    /// `--jitter N`: the figures of the trace and of its N jittered copies.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub jitter: Option<Jitter>,
     /// With `page_upgrade_at`: whether the page-size upgrade happened (`upgraded`), the page
     /// new memory got at the end (`page_size`), the smaller pages given back
     /// (`pages_drained`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub page_upgrade: Option<crate::replay::PageUpgrade>,
+}
+
+/// The median and the range of one figure over a trace and its jittered copies.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Spread {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    /// None when `values` is empty. The median of an even count is the mean of the middle two.
+    pub fn of(values: &[f64]) -> Option<Spread> {
+        let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let median = if n % 2 == 1 {
+            v[n / 2]
+        } else {
+            (v[n / 2 - 1] + v[n / 2]) / 2.0
+        };
+        Some(Spread {
+            median,
+            min: v[0],
+            max: v[n - 1],
+        })
+    }
+}
+
+/// `--jitter N`: utilization and the second half's driver figures over the trace and its
+/// `copies` jittered copies (`DeviceTrace::jittered`, seeds 1 to N).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Jitter {
+    pub copies: u16,
+    /// Each figure of each replay, the trace's first.
+    pub runs: Vec<JitterRun>,
+    pub utilization: Option<Spread>,
+    pub driver_calls_second_half: Option<Spread>,
+    pub driver_ms_busy_second_half: Option<Spread>,
+}
+
+/// One replay of `--jitter`: the trace (seed 0) or a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct JitterRun {
+    pub seed: u64,
+    pub utilization: Option<f64>,
+    pub driver_calls_second_half: Option<u64>,
+    pub driver_ms_busy_second_half: Option<f64>,
+}
+
+impl JitterRun {
+    pub fn of(seed: u64, row: &Row) -> JitterRun {
+        JitterRun {
+            seed,
+            utilization: row.utilization,
+            driver_calls_second_half: row.driver_calls_second_half,
+            driver_ms_busy_second_half: row.driver_ms_busy_second_half,
+        }
+    }
+}
+
+impl Jitter {
+    /// The spreads of `runs` (the trace's own first).
+    pub fn of(runs: Vec<JitterRun>) -> Jitter {
+        let pick = |f: &dyn Fn(&JitterRun) -> Option<f64>| -> Option<Spread> {
+            Spread::of(&runs.iter().filter_map(f).collect::<Vec<_>>())
+        };
+        Jitter {
+            copies: runs.len().saturating_sub(1) as u16,
+            utilization: pick(&|r| r.utilization),
+            driver_calls_second_half: pick(&|r| r.driver_calls_second_half.map(|c| c as f64)),
+            driver_ms_busy_second_half: pick(&|r| r.driver_ms_busy_second_half),
+            runs,
+        }
+    }
+
+    /// The table's note.
+    pub fn line(&self) -> String {
+        let spread = |s: &Option<Spread>, prec: usize| match s {
+            Some(s) => format!("{:.p$} ({:.p$}-{:.p$})", s.median, s.min, s.max, p = prec),
+            None => "-".into(),
+        };
+        format!(
+            "over the trace and {} jittered copies (each allocation 0-3.5 KiB larger): \
+             utilization median {}, second-half driver calls {}, estimated busy driver ms {}",
+            self.copies,
+            spread(&self.utilization, 3),
+            spread(&self.driver_calls_second_half, 0),
+            spread(&self.driver_ms_busy_second_half, 0),
+        )
+    }
 }
 
 /// One page size tried by `--suggest-page-size`.
@@ -288,6 +385,7 @@ impl Row {
                     .collect()
             }),
             page_size_suggestion: None,
+            jitter: None,
             page_upgrade: ours.and_then(|o| o.page_upgrade),
         }
     }
@@ -308,6 +406,9 @@ impl Row {
         }
         if let Some(m) = &self.misses_second_half {
             notes.push(format!("{at}: {}", m.line()));
+        }
+        if let Some(j) = &self.jitter {
+            notes.push(format!("{at}: {}", j.line()));
         }
         if let Some(s) = &self.page_size_suggestion {
             let (tol, base) = (s.tolerance, self.utilization.unwrap_or(0.0));
@@ -525,6 +626,18 @@ pub fn table(rows: &[Row], capacity: bool) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// The median of an odd count is the middle value, of an even count the mean of the two
+    /// middle ones; the range is the extremes; nothing gives nothing (and NaN is left out).
+    #[test]
+    fn a_spread_is_the_median_and_the_range() {
+        let s = Spread::of(&[0.9, 0.7, 0.8]).unwrap();
+        assert_eq!((s.median, s.min, s.max), (0.8, 0.7, 0.9));
+        let s = Spread::of(&[4.0, 1.0, 3.0, 2.0, f64::NAN]).unwrap();
+        assert_eq!((s.median, s.min, s.max), (2.5, 1.0, 4.0));
+        assert_eq!(Spread::of(&[]), None);
+        assert_eq!(Spread::of(&[f64::NAN]), None);
+    }
+
     use super::*;
     use crate::native::NativeMeter;
     use crate::series::Series;

@@ -111,6 +111,43 @@ impl DeviceTrace {
             Action::FreeRequested
         }
     }
+
+    /// A copy whose allocations are each larger by a seeded random 0-7 times 512 bytes (the
+    /// frees of an allocation carry its new size): the same job with slightly different
+    /// tensor shapes, for `gmlake replay --jitter`. A layout, hence a peak and a steady
+    /// state's driver calls, can turn on single placement decisions, so one replay may be
+    /// far from what nearly the same job gets. Seed 0 leaves the trace as it is.
+    pub fn jittered(&self, seed: u64) -> DeviceTrace {
+        let mut out = self.clone();
+        if seed == 0 {
+            return out;
+        }
+        let mut state = seed;
+        // splitmix64: a small, fixed generator, so that a seed names the same copy anywhere.
+        let mut next = move || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let mut sizes: rustc_hash::FxHashMap<u64, u64> = rustc_hash::FxHashMap::default();
+        for e in &mut out.events {
+            match e.action {
+                Action::Alloc => {
+                    e.size += 512 * (next() % 8);
+                    sizes.insert(e.addr, e.size);
+                }
+                Action::FreeRequested | Action::FreeCompleted => {
+                    if let Some(&s) = sizes.get(&e.addr) {
+                        e.size = s;
+                    }
+                }
+                _ => {}
+            }
+        }
+        out
+    }
 }
 
 /// A parsed snapshot file.
@@ -447,6 +484,57 @@ fn convert_event(ev: RawEvent) -> Result<Parsed, String> {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    /// A jittered copy: seed 0 is the trace; otherwise each allocation grows by a multiple
+    /// of 512 bytes up to 3.5 KiB, its frees carry the new size, other events are as they
+    /// were, and a seed always names the same copy.
+    #[test]
+    fn jittered_copies_grow_allocations_and_their_frees() {
+        let ev = |action, addr, size| Event {
+            addr,
+            size,
+            stream: 0,
+            action,
+        };
+        let dev = DeviceTrace {
+            device: 0,
+            events: (0..64u64)
+                .flat_map(|i| {
+                    [
+                        ev(Action::Alloc, 0x1000 * (i % 4), 4096 + 512 * i),
+                        ev(Action::FreeRequested, 0x1000 * (i % 4), 4096 + 512 * i),
+                        ev(Action::FreeCompleted, 0x1000 * (i % 4), 4096 + 512 * i),
+                        ev(Action::SegmentAlloc, 1 << 40, 2 << 20),
+                    ]
+                })
+                .collect(),
+            ..DeviceTrace::default()
+        };
+        assert_eq!(dev.jittered(0), dev);
+        let copy = dev.jittered(7);
+        assert_eq!(copy, dev.jittered(7));
+        assert_ne!(copy, dev.jittered(8));
+        let mut grown = 0;
+        for (k, (a, b)) in dev.events.iter().zip(&copy.events).enumerate() {
+            assert_eq!((a.addr, a.action, a.stream), (b.addr, b.action, b.stream));
+            let extra = b.size - a.size;
+            match a.action {
+                Action::Alloc => {
+                    assert!(extra % 512 == 0 && extra <= 3584, "event {k}: +{extra}");
+                    grown += (extra > 0) as u32;
+                }
+                Action::FreeRequested | Action::FreeCompleted => {
+                    let alloc = &copy.events[k - k % 4];
+                    assert_eq!(
+                        b.size, alloc.size,
+                        "event {k}: a free has its allocation's size"
+                    );
+                }
+                _ => assert_eq!(extra, 0, "event {k}"),
+            }
+        }
+        assert!(grown > 40, "most of the 64 allocations grew: {grown}");
+    }
+
     use super::*;
 
     /// A minimal pickle writer (protocol 2 opcodes) for building test snapshots.

@@ -1148,3 +1148,66 @@ fn misses_report_the_second_halfs_misses_without_changing_a_decision() {
         }
     }
 }
+
+/// `--jitter N`: the trace and N copies with each allocation slightly larger are replayed;
+/// the first run is the trace's own (its figures are the row's), the spreads are the
+/// median and range of all N + 1, and each copy is a different job (the decode trace's own
+/// utilization is above all its copies': a layout that single decisions decide). A count
+/// out of 1-64 is refused by name.
+#[test]
+fn jitter_replays_copies_and_reports_the_spread() {
+    let row = replay_row("decode.pickle", &["--jitter", "4"]);
+    let j = &row["jitter"];
+    assert_eq!(j["copies"].as_u64(), Some(4), "{j}");
+    let runs = j["runs"].as_array().expect("the runs");
+    assert_eq!(runs.len(), 5, "{j}");
+    assert_eq!(runs[0]["seed"].as_u64(), Some(0));
+    assert_eq!(runs[0]["utilization"], row["utilization"], "{j}");
+    assert_eq!(
+        runs[0]["driver_calls_second_half"], row["driver_calls_second_half"],
+        "{j}"
+    );
+    let utils: Vec<f64> = runs
+        .iter()
+        .map(|r| r["utilization"].as_f64().unwrap())
+        .collect();
+    let mut sorted = utils.clone();
+    sorted.sort_by(f64::total_cmp);
+    let u = &j["utilization"];
+    assert_eq!(u["min"].as_f64(), Some(sorted[0]), "{j}");
+    assert_eq!(u["max"].as_f64(), Some(sorted[4]), "{j}");
+    assert_eq!(u["median"].as_f64(), Some(sorted[2]), "{j}");
+    assert!(
+        utils[1..].iter().all(|&c| c < utils[0]),
+        "the trace's own layout is a lucky one: {utils:?}"
+    );
+    // The same seeds give the same copies.
+    let again = replay_row("decode.pickle", &["--jitter", "4"]);
+    assert_eq!(again["jitter"]["runs"], j["runs"]);
+
+    let table = gmlake(&[
+        "replay",
+        "--jitter",
+        "2",
+        trace("decode.pickle").to_str().unwrap(),
+    ]);
+    assert!(
+        text(&table.stdout).contains("over the trace and 2 jittered copies"),
+        "{}",
+        text(&table.stdout)
+    );
+    for bad in ["0", "65", "many"] {
+        let out = gmlake(&[
+            "replay",
+            "--jitter",
+            bad,
+            trace("decode.pickle").to_str().unwrap(),
+        ]);
+        assert_eq!(out.status.code(), Some(2), "--jitter {bad}");
+        assert!(
+            text(&out.stderr).contains("--jitter"),
+            "{}",
+            text(&out.stderr)
+        );
+    }
+}
