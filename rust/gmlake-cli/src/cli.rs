@@ -251,7 +251,7 @@ pub struct ReplayArgs {
     /// over the trace and its copies (JSON: `jitter`; table: a note per device). A layout,
     /// hence a peak and a steady state's driver calls, can turn on single placement
     /// decisions: one replay may be far from what nearly the same job gets (the decode
-    /// trace: 0.925, its copies 0.892-0.897), so judge a policy change by the median.
+    /// trace: 0.925, each of its copies 0.897), so judge a policy change by the median.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=64))]
     pub jitter: Option<u16>,
 }

@@ -659,17 +659,18 @@ fn replay_predicts_the_gpu_for_the_two_rank_ddp_job() {
     replay_predicts_the_gpu("ddp-2rank-rank0");
 }
 
-/// Caches grown by concatenation on one H100 (issue 13): the replay predicts gmlake's peak to
-/// the byte once a miss polls its stream's fence before giving up a kept window (the GPU was
-/// 2% higher when one refusal in 296,024 allocations stitched a new range instead), and its
-/// utilization is above expandable segments' on the same job (0.917 against 0.896; issue
-/// 13's bar for this job, 0.95, is not met).
+/// Caches grown by concatenation on one GPU (issue 13): the replay predicts gmlake's peak to
+/// the byte (1,063,256,064 on an H200, 2026-11-28; once a miss polls its stream's fence before
+/// giving up a kept window: the GPU was 2% higher when one refusal in 296,024 allocations
+/// stitched a new range instead), and its utilization meets issue 13's bar for this job,
+/// 0.95, since windows under 8 pages replace no busy alias (`replace_min_pages`; 0.922 with
+/// the rule before, on the GPU and in the replay), above expandable segments' (0.896).
 #[test]
 fn replay_predicts_the_gpu_for_the_concatenation_job() {
     let (util, gpu) = replay_matches_the_gpu("concat-cache");
     let expandable = gpu["runs"]["expandable"]["utilization"].as_f64().unwrap();
     assert!(
-        util > expandable,
+        util >= 0.95 && util > expandable,
         "utilization {util}, expandable {expandable}"
     );
 }
@@ -691,10 +692,12 @@ fn a_small_job_with_varying_shapes_keeps_its_aliases() {
 
 /// `reuse_fenced_blocks`: in the four-rank ZeRO-3 N trace, the side streams' buffers find last
 /// step's kept windows once the main stream's free blocks whose own free is fenced count as
-/// free, so the last three of seven windows (steps) make no VMM call, with the side streams'
-/// events completing at once or pending until the next trace event; at the defaults each of
-/// them re-stitches (57-202 VMM calls a window). Four H200s agreed: 127-202 VMM calls a step
-/// on rank 0 at the defaults, none after the first measured step with the option.
+/// free, so the last two of seven windows (steps) make no VMM call, with the side streams'
+/// events completing at once or pending until the next trace event (the last three before
+/// `replace_min_pages`, whose windows under 8 pages take a step longer to settle); at the
+/// defaults each of the last three re-stitches (15-187 VMM calls a window). Four H200s
+/// agreed: 127-202 VMM calls a step on rank 0 at the defaults, none after the first measured
+/// step with the option.
 #[test]
 fn reuse_fenced_blocks_leaves_the_zero3_n_steady_state_without_vmm_calls() {
     let vmm = |extra: &[&str]| -> Vec<u64> {
@@ -726,7 +729,7 @@ fn reuse_fenced_blocks_leaves_the_zero3_n_steady_state_without_vmm_calls() {
             .chain(["--set", "reuse_fenced_blocks=1"])
             .collect();
         let (off, on) = (vmm(model), vmm(&on));
-        assert_eq!(&on[4..], &[0, 0, 0], "with the option, {model:?}: {on:?}");
+        assert_eq!(&on[5..], &[0, 0], "with the option, {model:?}: {on:?}");
         assert!(
             off[4..].iter().all(|&c| c > 0),
             "at the defaults, {model:?}: {off:?}"

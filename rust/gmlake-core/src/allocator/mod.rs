@@ -1016,15 +1016,21 @@ impl State {
             self.process_retired(dev, false)?;
             // A kept mapping whose pages are free: no driver call. One with busy pages, if
             // replacing them (an unmap and a map each) costs less than mapping a new range
-            // (a map each, after the free block it starts at), and they are at most a
-            // quarter of it: otherwise a new range is made, which later steps reuse as it
-            // is, where replacing changes a range they may need as it was.
+            // (a map each, after the free block it starts at), they are at most a quarter of
+            // it, and it has `replace_min_pages` pages or more: otherwise a new range is
+            // made, which later steps reuse as it is, where replacing changes a range they
+            // may need as it was.
             if self.cfg.may_stitch(size) {
                 let fresh = match self.arenas[aid as usize].find_placement(size) {
                     Some(p) => p.map_pages,
                     None => size.div_ceil(self.page),
                 };
-                let max_busy = (fresh / 2).min((size.div_ceil(self.page) / 4).max(1));
+                let pages = size.div_ceil(self.page);
+                let max_busy = if pages < self.cfg.replace_min_pages {
+                    0
+                } else {
+                    (fresh / 2).min((pages / 4).max(1))
+                };
                 self.settle_arenas();
                 let view = if self.cfg.reuse_fenced_blocks {
                     pages::ReuseView::FencedBlocks
