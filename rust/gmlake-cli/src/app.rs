@@ -206,8 +206,40 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
     }
 }
 
+/// A further replay of `dev` for a comparison (`--jitter`, `--suggest-page-size`): the
+/// allocator with `config`, the options without windows, series, waste or misses; its row.
+fn replay_again(
+    dev: &DeviceTrace,
+    args: &ReplayArgs,
+    config: gmlake_core::Config,
+    capacity: u64,
+    options: &ReplayOptions,
+    progress: &mut Progress,
+    what: &str,
+) -> Result<Row, String> {
+    let options = ReplayOptions {
+        windows: 0,
+        waste_at_peak: false,
+        misses: false,
+        series_points: 0,
+        ..*options
+    };
+    let mut backend = make_backend(args, capacity, config)
+        .map_err(|e| format!("cannot create the allocator: {e}"))?;
+    progress.replaying(what, dev.events.len());
+    let m = replay_one(dev, &mut backend, &options, progress)?;
+    let ours = backend.summary(m.sampled_peak_reserved_bytes);
+    Ok(Row::new(
+        String::new(),
+        dev.device,
+        capacity,
+        &m,
+        Some(&ours),
+    ))
+}
+
 /// `--jitter N`: the device's N jittered copies (seeds 1 to N), each replayed with the same
-/// allocator and options (no windows, series, waste or misses).
+/// allocator.
 fn jitter_runs(
     dev: &DeviceTrace,
     args: &ReplayArgs,
@@ -217,29 +249,26 @@ fn jitter_runs(
     progress: &mut Progress,
     copies: u16,
 ) -> Result<Vec<JitterRun>, String> {
-    let options = ReplayOptions {
-        windows: 0,
-        waste_at_peak: false,
-        misses: false,
-        series_points: 0,
-        ..*options
-    };
-    let mut runs = Vec::with_capacity(copies as usize);
-    for seed in 1..=u64::from(copies) {
-        let copy = dev.jittered(seed);
-        let mut backend = make_backend(args, capacity, config.clone())
-            .map_err(|e| format!("cannot create the allocator: {e}"))?;
-        progress.replaying(&format!("jittered copy {seed}"), copy.events.len());
-        let m = replay_one(&copy, &mut backend, &options, progress)?;
-        let ours = backend.summary(m.sampled_peak_reserved_bytes);
-        let row = Row::new(String::new(), dev.device, capacity, &m, Some(&ours));
-        runs.push(JitterRun::of(seed, &row));
-    }
-    Ok(runs)
+    (1..=u64::from(copies))
+        .map(|seed| {
+            let copy = dev.jittered(seed);
+            let what = format!("jittered copy {seed}");
+            let row = replay_again(
+                &copy,
+                args,
+                config.clone(),
+                capacity,
+                options,
+                progress,
+                &what,
+            )?;
+            Ok(JitterRun::of(seed, &row))
+        })
+        .collect()
 }
 
 /// `--suggest-page-size`: the replay's page size, and the device replayed again with pages 2,
-/// 4, 8, 16 and 32 times as large (the same options, no windows or series).
+/// 4, 8, 16 and 32 times as large.
 fn page_size_trials(
     dev: &DeviceTrace,
     args: &ReplayArgs,
@@ -248,31 +277,17 @@ fn page_size_trials(
     options: &ReplayOptions,
     progress: &mut Progress,
 ) -> Result<(u64, Vec<PageSizeTrial>), String> {
-    let make = |cfg: gmlake_core::Config| {
-        make_backend(args, capacity, cfg).map_err(|e| format!("cannot create the allocator: {e}"))
-    };
-    let page = make(config.clone())?.page_size();
-    let options = ReplayOptions {
-        windows: 0,
-        waste_at_peak: false,
-        misses: false,
-        series_points: 0,
-        ..*options
-    };
+    let page = make_backend(args, capacity, config.clone())
+        .map_err(|e| format!("cannot create the allocator: {e}"))?
+        .page_size();
     let mut trials = Vec::new();
     for k in [2u64, 4, 8, 16, 32] {
         let cfg = gmlake_core::Config {
             page_size: page * k,
             ..config.clone()
         };
-        let mut backend = make(cfg)?;
-        progress.replaying(
-            &format!("page_size {}", report::bytes(page * k)),
-            dev.events.len(),
-        );
-        let m = replay_one(dev, &mut backend, &options, progress)?;
-        let ours = backend.summary(m.sampled_peak_reserved_bytes);
-        let row = Row::new(String::new(), dev.device, capacity, &m, Some(&ours));
+        let what = format!("page_size {}", report::bytes(page * k));
+        let row = replay_again(dev, args, cfg, capacity, options, progress, &what)?;
         trials.push(PageSizeTrial {
             page_size: page * k,
             utilization: row.utilization,
