@@ -1214,6 +1214,15 @@ impl Arena {
             .map(|(a, _)| a)
     }
 
+    /// Whether the block at `addr` comes right after a live block: for a free block, the rest
+    /// of a run after its last live block so far (a tail), where that block's successor
+    /// (a cache one token longer, the next step's slightly larger tensor) goes as a hit.
+    pub fn after_live(&self, addr: u64) -> bool {
+        self.blocks
+            .ending_at(addr)
+            .is_some_and(|(_, b)| b.state == BlockState::Live)
+    }
+
     /// The live block containing `ptr`: (base, size).
     pub fn live_containing(&self, ptr: u64) -> Option<(u64, u64)> {
         let (&a, b) = self.blocks.range(..=ptr).next_back()?;

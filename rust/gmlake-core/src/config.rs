@@ -77,6 +77,13 @@ pub struct Config {
     /// (0.913-0.928 over jittered copies), 0.961 (0.953-0.965) without it, every other
     /// bundled trace unchanged within its copies' spread (docs/design.md, "Small windows").
     pub replace_min_pages: u64,
+    /// `stitch_tails_last` (off by default): a stitch takes pages from free blocks right after
+    /// a live block (a run's tail, where its next, slightly larger block would go as a hit)
+    /// only when no other free block will do. Over jittered copies of the bundled traces
+    /// (replay only, not yet on a GPU): second-half driver time DDP 78 -> 60 ms, FSDP2 with
+    /// busy side streams 155 -> 131, ZeRO-3 LR 82 -> 76, the concatenation job 12 -> 0, at
+    /// utilization within 0.002 (docs/design.md, "Stitch sources: tails last").
+    pub stitch_tails_last: bool,
     /// `roundup_power2_divisions` (PyTorch's key and syntax): requests are rounded up to the
     /// next of N equal divisions of their power-of-two interval instead of to 512 bytes. One
     /// entry per interval, [1 MiB, 2 MiB) first and [32 GiB, ...) last (sizes below 1 MiB use
@@ -179,6 +186,7 @@ impl Default for Config {
             max_aliases: 4.0,
             alias_floor: 128 << 30,
             replace_min_pages: DEFAULT_REPLACE_MIN_PAGES,
+            stitch_tails_last: false,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             debug: crate::debug::DebugConfig::default(),
             util_target: None,
@@ -211,6 +219,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "max_aliases",
     "alias_floor",
     "replace_min_pages",
+    "stitch_tails_last",
     "roundup_power2_divisions",
     "debug",
     "debug_quarantine",
@@ -542,6 +551,7 @@ impl Config {
                 self.roundup_power2_divisions = parse_roundup(key, value)?;
             }
             "alias_floor" | "aliasfloor" => self.alias_floor = size(key)?,
+            "stitch_tails_last" | "stitchtailslast" => self.stitch_tails_last = parse_bool(key, v)?,
             "replace_min_pages" | "replaceminpages" => {
                 self.replace_min_pages = v
                     .parse::<u64>()
@@ -625,6 +635,10 @@ impl Config {
             ("max_aliases", self.max_aliases.to_string()),
             ("alias_floor", self.alias_floor.to_string()),
             ("replace_min_pages", self.replace_min_pages.to_string()),
+            (
+                "stitch_tails_last",
+                (self.stitch_tails_last as u8).to_string(),
+            ),
             (
                 "util_target",
                 self.util_target
@@ -777,6 +791,11 @@ mod tests {
         assert_eq!(c.replace_min_pages, 0);
         let e = c.set("replace_min_pages", "-1").unwrap_err();
         assert!(e.to_string().contains("replace_min_pages"), "{e}");
+        assert!(!c.stitch_tails_last, "off by default");
+        c.set("stitch_tails_last", "1").unwrap();
+        assert!(c.stitch_tails_last);
+        let e = c.set("stitch_tails_last", "sometimes").unwrap_err();
+        assert!(e.to_string().contains("stitch_tails_last"), "{e}");
         assert!(c.cross_stream_wait, "on by default");
         c.set("cross_stream_wait", "0").unwrap();
         assert!(!c.cross_stream_wait);

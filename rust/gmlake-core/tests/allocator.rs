@@ -573,3 +573,40 @@ fn the_miss_log_names_what_holds_a_kept_windows_busy_pages() {
     }
     assert_eq!(seen[0], seen[1], "the log changed a decision");
 }
+
+/// `stitch_tails_last`: a stitch that could take its pages from a run's tail (the free rest
+/// after a live block) or from another free block takes them from the other block; at the
+/// defaults best fit takes the tail, the smaller block that covers the need.
+#[test]
+fn stitch_tails_last_takes_pages_from_a_tail_only_when_nothing_else_will_do() {
+    let source = |tails_last: bool| {
+        let config = Config {
+            stitch_tails_last: tails_last,
+            ..Config::default()
+        };
+        let (_dev, a) = setup(1 << 40, config);
+        // [head: 3 pages][live: 1][tail: 2][live: 1], then the head and the tail freed.
+        let head = a.allocate(3 * PAGE, 0).unwrap();
+        let first = a.allocate(PAGE, 0).unwrap();
+        let tail = a.allocate(2 * PAGE, 0).unwrap();
+        let _last = a.allocate(PAGE, 0).unwrap();
+        assert_eq!((first, tail), (head + 3 * PAGE, head + 4 * PAGE));
+        let handles = |p| -> Vec<_> { a.pages_of(p).unwrap().into_iter().map(|x| x.1).collect() };
+        let (head_pages, tail_pages) = (handles(head), handles(tail));
+        a.free(head).unwrap();
+        a.free(tail).unwrap();
+        // Another stream's first request has no memory of its own: two pages are stitched.
+        let q = a.allocate(2 * PAGE, 1).unwrap();
+        let got = handles(q);
+        assert_eq!(got.len(), 2);
+        if got.iter().all(|h| tail_pages.contains(h)) {
+            "tail"
+        } else if got.iter().all(|h| head_pages.contains(h)) {
+            "head"
+        } else {
+            "mixed"
+        }
+    };
+    assert_eq!(source(false), "tail", "best fit: the smaller block");
+    assert_eq!(source(true), "head", "tails last");
+}

@@ -60,6 +60,8 @@ fn config() -> impl Strategy<Value = Config> {
         0usize..3,
         prop::bool::ANY,
         prop::bool::ANY,
+        prop::bool::ANY,
+        prop::bool::ANY,
     )
         .prop_map(
             |(
@@ -73,6 +75,8 @@ fn config() -> impl Strategy<Value = Config> {
                 big,
                 at_once,
                 fenced,
+                small_windows,
+                tails_last,
             )| Config {
                 defrag_level: level,
                 stitch_strategy: [
@@ -102,6 +106,11 @@ fn config() -> impl Strategy<Value = Config> {
                 page_upgrade_size: [2 * PAGE, 4 * PAGE, 0][big],
                 // At once, or once stitching has re-mapped what is held.
                 page_upgrade_remap: if at_once { 0.0 } else { 1.0 },
+                // Busy aliases replaced in windows of any size (the rule before), or only in
+                // windows of 8 pages or more (the default).
+                replace_min_pages: if small_windows { 0 } else { 8 },
+                // Stitch pages from runs' tails last.
+                stitch_tails_last: tails_last,
                 ..Config::default()
             },
         )

@@ -492,15 +492,35 @@ impl State {
     }
 
     /// Chooses the next block to take pages from, by strategy: (arena, block, pages there).
-    /// The arenas are settled (`settle_arenas`).
+    /// The arenas are settled (`settle_arenas`). With `stitch_tails_last`, blocks right after
+    /// a live block (a run's tail) are chosen only when no other block will do.
     pub(super) fn choose_source(
         &self,
         aid: u32,
         need: u64,
         exclude: Exclude,
     ) -> Option<(u32, u64, u64)> {
+        if self.cfg.stitch_tails_last {
+            if let Some(found) = self.choose_source_among(aid, need, exclude, true) {
+                return Some(found);
+            }
+        }
+        self.choose_source_among(aid, need, exclude, false)
+    }
+
+    /// `choose_source`, passing over tails when `spare_tails`.
+    fn choose_source_among(
+        &self,
+        aid: u32,
+        need: u64,
+        exclude: Exclude,
+        spare_tails: bool,
+    ) -> Option<(u32, u64, u64)> {
         let target = self.arenas[aid as usize].key.stream;
-        let skip = |i: usize, addr: u64| i == aid as usize && addr >= exclude.0 && addr < exclude.1;
+        let skip = |i: usize, addr: u64| {
+            (i == aid as usize && addr >= exclude.0 && addr < exclude.1)
+                || (spare_tails && self.arenas[i].after_live(addr))
+        };
         let candidates = self
             .arenas
             .iter()
