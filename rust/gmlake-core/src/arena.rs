@@ -1219,8 +1219,9 @@ impl Arena {
     /// (a cache one token longer, the next step's slightly larger tensor) goes as a hit.
     pub fn after_live(&self, addr: u64) -> bool {
         self.blocks
-            .ending_at(addr)
-            .is_some_and(|(_, b)| b.state == BlockState::Live)
+            .get(&addr)
+            .and_then(|b| self.prev_of(addr, b.chunk))
+            .is_some_and(|(_, p)| p.state == BlockState::Live)
     }
 
     /// The live block containing `ptr`: (base, size).

@@ -20,7 +20,7 @@ pub struct MissRecord {
     /// against.
     pub fresh_pages: u64,
     /// The most busy pages a kept window may have and still be taken (a quarter of its
-    /// pages, and fewer than half of `fresh_pages`).
+    /// pages, and fewer than half of `fresh_pages`; none under `replace_min_pages`).
     pub max_busy: u64,
     /// The kept window with the fewest busy pages, however many, that a scan from where the
     /// miss's scan stopped finds; `None` when none of the size is kept.
