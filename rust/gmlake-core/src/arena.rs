@@ -1088,77 +1088,59 @@ impl Arena {
     }
 
     /// The clean spans around the lent pages at `clean` (addresses of aliases here, sorted
-    /// and without repeats): maximal runs, in one chunk, of adjacent free mapped blocks and
-    /// lent pages that are all in `clean`. Each span that holds one of them is given once,
-    /// in address order, to `f` as its units (addr, len, lent), until `f` returns true
-    /// (found what it looks for). A reuse window with no alias
-    /// to replace lies in one such span, so walking them finds every such window with work
-    /// proportional to the spans, not to the aliases (which on a job with many kept ranges
-    /// are thousands, most of them busy). O(units of the spans x log) block lookups.
-    pub fn clean_spans(&self, clean: &[u64], mut f: impl FnMut(&[(u64, u64, bool)]) -> bool) {
+    /// and without repeats): each maximal run of consecutive pages of `clean`, extended over
+    /// the free mapped blocks before and after it, and joined to the next run where those
+    /// meet. Given as (start, end), in address order, to `f` until it returns true (found
+    /// what it looks for). A reuse window with no busy alias covers such pages and free
+    /// mapped blocks only, so it lies in one of these spans: a span shorter than a request
+    /// holds no such window for it. The spans may be longer than the scan's regions (a run
+    /// is not cut at a chunk boundary), never shorter. O(runs) block lookups, each a hash
+    /// probe; the aliases, busy ones included, are not walked.
+    pub fn clean_spans(&self, clean: &[u64], mut f: impl FnMut(u64, u64) -> bool) {
         let page = self.page;
-        let is_clean = |va: u64| clean.binary_search(&va).is_ok();
-        let mut units: Vec<(u64, u64, bool)> = Vec::new();
-        let mut covered = 0u64;
-        for &va in clean {
-            if va < covered {
-                continue;
+        let free_before = |mut s: u64| {
+            while let Some((a, b)) = self.blocks.ending_at(s) {
+                if !matches!(b.state, BlockState::FreeMapped { .. }) {
+                    break;
+                }
+                s = a;
             }
-            let Some((la, lb)) = self.block_containing(va) else {
-                continue;
+            s
+        };
+        let free_after = |mut e: u64| {
+            while let Some(b) = self.blocks.get(&e) {
+                if !matches!(b.state, BlockState::FreeMapped { .. }) {
+                    break;
+                }
+                e += b.size;
+            }
+            e
+        };
+        let mut span: Option<(u64, u64)> = None;
+        let mut i = 0;
+        while i < clean.len() {
+            // The run of consecutive clean pages from clean[i].
+            let s = clean[i];
+            let mut e = s + page;
+            i += 1;
+            while i < clean.len() && clean[i] == e {
+                e += page;
+                i += 1;
+            }
+            let (s, e) = (free_before(s), free_after(e));
+            span = match span {
+                Some((ss, se)) if s <= se => Some((ss, se.max(e))),
+                Some((ss, se)) => {
+                    if f(ss, se) {
+                        return;
+                    }
+                    Some((s, e))
+                }
+                None => Some((s, e)),
             };
-            if !matches!(lb.state, BlockState::Lent { .. }) {
-                continue;
-            }
-            let chunk = lb.chunk;
-            // Back to the span's start: clean pages of this lent block, then whole free
-            // mapped blocks and clean trailing pages of lent blocks before it.
-            let (mut s, mut block) = (va, la);
-            loop {
-                if s > block {
-                    if !is_clean(s - page) {
-                        break;
-                    }
-                    s -= page;
-                    continue;
-                }
-                match self.prev_of(s, chunk) {
-                    Some((pa, p)) if matches!(p.state, BlockState::FreeMapped { .. }) => {
-                        (s, block) = (pa, pa);
-                    }
-                    Some((pa, p))
-                        if matches!(p.state, BlockState::Lent { .. }) && is_clean(s - page) =>
-                    {
-                        (s, block) = (s - page, pa);
-                    }
-                    _ => break,
-                }
-            }
-            // Forward from there, unit by unit.
-            units.clear();
-            let (mut x, mut cur) = (s, self.block_containing(s));
-            'span: while let Some((ba, b)) = cur {
-                let end = ba + b.size;
-                match b.state {
-                    BlockState::FreeMapped { .. } => units.push((ba, b.size, false)),
-                    BlockState::Lent { .. } => {
-                        while x < end {
-                            if !is_clean(x) {
-                                break 'span;
-                            }
-                            units.push((x, page, true));
-                            x += page;
-                        }
-                    }
-                    _ => break,
-                }
-                x = end;
-                cur = self.next_of(end, chunk).map(|n| (end, n));
-            }
-            covered = x.max(va + page);
-            if units.iter().any(|u| u.2) && f(&units) {
-                return;
-            }
+        }
+        if let Some((ss, se)) = span {
+            f(ss, se);
         }
     }
 
@@ -1942,16 +1924,11 @@ mod tests {
         }
     }
 
-    /// The clean spans `clean_spans` gives for `clean`: (start, end, lent pages) of each.
-    fn spans(a: &Arena, clean: &[u64]) -> Vec<(u64, u64, usize)> {
+    /// The clean spans `clean_spans` gives for `clean`: (start, end) of each.
+    fn spans(a: &Arena, clean: &[u64]) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
-        a.clean_spans(clean, |units| {
-            let (s, last) = (units[0], units[units.len() - 1]);
-            // Units are adjacent, in address order.
-            for w in units.windows(2) {
-                assert_eq!(w[0].0 + w[0].1, w[1].0, "{units:?}");
-            }
-            out.push((s.0, last.0 + last.1, units.iter().filter(|u| u.2).count()));
+        a.clean_spans(clean, |s, e| {
+            out.push((s, e));
             false
         });
         out
@@ -1965,14 +1942,13 @@ mod tests {
         assert_eq!(a.lent_pages(), 2);
         // Both lent pages clean: the span takes in the free block before them and ends at
         // the live block after them; given once although two pages start it.
-        assert_eq!(spans(&a, &[f + 2 * P, f + 3 * P]), vec![(f, f + 4 * P, 2)]);
+        assert_eq!(spans(&a, &[f + 2 * P, f + 3 * P]), vec![(f, f + 4 * P)]);
         // The first lent page busy: the span is the second page alone.
-        assert_eq!(spans(&a, &[f + 3 * P]), vec![(f + 3 * P, f + 4 * P, 1)]);
+        assert_eq!(spans(&a, &[f + 3 * P]), vec![(f + 3 * P, f + 4 * P)]);
         // The second busy: the free block and the first page.
-        assert_eq!(spans(&a, &[f + 2 * P]), vec![(f, f + 3 * P, 1)]);
-        // Nothing clean, or an address that is no alias: no span.
+        assert_eq!(spans(&a, &[f + 2 * P]), vec![(f, f + 3 * P)]);
+        // Nothing clean: no span.
         assert_eq!(spans(&a, &[]), vec![]);
-        assert_eq!(spans(&a, &[f]), vec![]);
     }
 
     #[test]

@@ -1059,35 +1059,18 @@ impl State {
     }
 }
 
-/// Whether `arena` has a kept window of `size` bytes with no busy alias, given the handles
-/// of the free pages that may be taken back (`free`): a window, starting at a unit as the
-/// scan's do, that covers at least one of their aliases and otherwise only free mapped
-/// blocks and such aliases. Every such window lies in a clean span around those aliases
-/// (`Arena::clean_spans`), so this costs O(free pages + units of those spans), not
-/// O(aliases).
+/// Whether `arena` may have a kept window of `size` bytes with no busy alias, given the
+/// handles of the free pages that may be taken back (`free`): whether a clean span around
+/// their aliases (`Arena::clean_spans`) is that long. False means the scan would find no
+/// such window; true may be wrong only the safe way (the scan then runs and decides). Costs
+/// O(free pages + runs of their aliases), not O(aliases).
 fn has_clean_window(arena: &Arena, free: &FxHashSet<PhysHandle>, size: u64) -> bool {
     let mut clean: Vec<u64> = arena.lent_of(free.iter()).map(|(va, _)| va).collect();
     clean.sort_unstable();
     clean.dedup();
     let mut found = false;
-    arena.clean_spans(&clean, |units| {
-        let rend = units.last().map_or(0, |u| u.0 + u.1);
-        let (mut j, mut moved) = (0usize, 0u64);
-        for i in 0..units.len() {
-            let ws = units[i].0;
-            if rend - ws < size {
-                break;
-            }
-            while j < units.len() && units[j].0 < ws + size {
-                moved += units[j].2 as u64;
-                j += 1;
-            }
-            if moved > 0 {
-                found = true;
-                break;
-            }
-            moved -= units[i].2 as u64;
-        }
+    arena.clean_spans(&clean, |s, e| {
+        found = e - s >= size;
         found
     });
     found
