@@ -168,6 +168,9 @@ struct State {
     /// Lent pages one miss may examine for a reusable window (`pages::MAX_REUSE_CHECKS`;
     /// tests lower it to exercise the resumed scan).
     reuse_checks: u64,
+    /// Tests: every miss that finds no kept window also runs the scan that classifies every
+    /// page, and panics if it disagrees (`set_check_clean_exit`).
+    check_clean_exit: bool,
 }
 
 /// The allocator for one device. `Send + Sync`; every operation takes one lock briefly.
@@ -291,6 +294,7 @@ impl<D: Device> Allocator<D> {
             miss_log: VecDeque::new(),
             debug,
             reuse_checks: pages::MAX_REUSE_CHECKS,
+            check_clean_exit: false,
         };
         state.update_limit();
         tracing::debug!(page, total, "gmlake allocator created");
@@ -726,6 +730,14 @@ impl<D: Device> Allocator<D> {
     #[doc(hidden)]
     pub fn set_reuse_scan_limit(&self, pages: u64) {
         self.state.lock().reuse_checks = pages;
+    }
+
+    /// For tests: makes every miss that finds no kept window check that the scan that
+    /// classifies every page finds none either and moves the cursor alike (a panic if not).
+    /// Doubles the cost of such misses.
+    #[doc(hidden)]
+    pub fn set_check_clean_exit(&self, on: bool) {
+        self.state.lock().check_clean_exit = on;
     }
 
     /// Keeps up to `capacity` history events (0 turns history off and drops it).
