@@ -690,9 +690,11 @@ impl State {
     /// use elsewhere (*busy*) can be replaced: the alias unmapped and another page mapped
     /// there. The window with the fewest busy pages wins (then the fewest pages to move),
     /// if it has at most `max_busy`. O(lent blocks and pages of the arena), bounded by
-    /// `MAX_REUSE_CHECKS` (`reuse_checks`); the scan starts at the arena's `reuse_cursor` and wraps around.
-    /// Also returns where the next scan should start (the cursor moves only when the bound
-    /// cut this scan short).
+    /// `MAX_REUSE_CHECKS` (`reuse_checks`); the scan starts at the arena's `reuse_cursor`
+    /// and wraps around. With `max_busy` 0 and no clean span as long as `size`
+    /// (`has_clean_window`), no page is classified: the scan only walks its regions for the
+    /// cursor. Also returns where the next scan should start (the cursor moves only when the
+    /// bound cut this scan short).
     ///
     /// `view`: which pages of other streams' free blocks count as free (`gives_freed_until`);
     /// `ReuseView::AfterWait` counts those `stream` may not take yet as if it had waited for
