@@ -62,6 +62,7 @@ pub fn run_replay(args: &ReplayArgs) -> i32 {
         windows: args.windows.map_or(0, usize::from),
         waste_at_peak: args.waste_at_peak,
         misses: args.misses,
+        call_times: args.call_times,
         series_points: if args.plot.is_some() {
             SERIES_POINTS
         } else {
@@ -221,6 +222,7 @@ fn replay_again(
         windows: 0,
         waste_at_peak: false,
         misses: false,
+        call_times: false,
         series_points: 0,
         ..*options
     };

@@ -235,6 +235,13 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub misses: bool,
 
+    /// Also time every allocation and free the replay asks of the allocator and report
+    /// their distribution: count, mean, p50, p90, p99 and max in ns (JSON: `call_times`;
+    /// table: a note per device). The median is the hit path's cost; `cpu µs/event` is a
+    /// mean that misses dominate. Two clock readings a call; decisions do not change.
+    #[arg(long)]
+    pub call_times: bool,
+
     /// Also replay each device with uniform pages of 2, 4, 8, 16 and 32 times the page size
     /// and suggest the largest whose utilization stays within TOLERANCE (default 0.01) of the
     /// replay's own: larger pages mean fewer driver calls (one per page moved), at some

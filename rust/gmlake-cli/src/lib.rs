@@ -11,9 +11,11 @@
 //! - [`tier`]: `gmlake tier-replay`, traces of host-tier operations (issue 16);
 //! - [`ops`]: `gmlake ops`, a snapshot's allocations and frees as a list for timing allocators;
 //! - [`waste`]: where held but unused memory sits at the replay's peak (`--waste-at-peak`);
-//! - [`misses`]: the second half's allocations that took no kept window, and why (`--misses`).
+//! - [`misses`]: the second half's allocations that took no kept window, and why (`--misses`);
+//! - [`call_times`]: how long each allocation and free takes, as a distribution (`--call-times`).
 
 pub mod app;
+pub mod call_times;
 pub mod cli;
 pub mod clock;
 pub use gmlake_core::cost;

@@ -2,6 +2,7 @@
 //! active bytes, the physical memory our allocator holds, and the native allocator's reserved
 //! memory from the trace's segment events.
 
+use crate::call_times::{timed, CallTimes};
 use crate::clock::thread_cpu_time;
 use crate::native::NativeMeter;
 use crate::series::Series;
@@ -255,6 +256,8 @@ pub struct ReplayOptions {
     /// `--misses`: keep the second half's allocations that took no kept window, with the
     /// allocator's account of why (one more reuse scan at each miss).
     pub misses: bool,
+    /// `--call-times`: time every allocation and free asked of the backend.
+    pub call_times: bool,
 }
 
 /// What one replay measured.
@@ -294,6 +297,8 @@ pub struct Measures {
     /// `--misses`: (event, record) of each allocation of the second half that took no kept
     /// window (`None`: not asked; empty for a backend that does not stitch).
     pub misses: Option<Vec<(usize, gmlake_core::MissRecord)>>,
+    /// `--call-times`: how long each allocation and free took (`None`: not asked).
+    pub call_times: Option<crate::call_times::CallTimes>,
 }
 
 /// Why a replay stopped, at which event.
@@ -411,6 +416,7 @@ fn release<B: Backend>(
     waiters: &mut Waiters,
     l: Live,
     action: Action,
+    times: Option<&mut Vec<u64>>,
 ) -> Result<(), ReplayErrorKind> {
     if let Some(w) = l.waiting {
         // Freed at its request already: its wait ends now.
@@ -419,8 +425,7 @@ fn release<B: Backend>(
         return Ok(());
     }
     match l.ptr {
-        Some(ptr) if ptr != 0 => backend
-            .free(ptr)
+        Some(ptr) if ptr != 0 => timed(times, || backend.free(ptr))
             .map_err(|error| ReplayErrorKind::allocator(action, l.size, error)),
         _ => Ok(()),
     }
@@ -457,6 +462,7 @@ pub fn replay<B: Backend>(
     let mut next_window = 1usize;
     let mut waste_at_peak = None;
     let mut misses = options.misses.then(Vec::new);
+    let mut times = options.call_times.then(CallTimes::default);
     if options.misses {
         backend.log_misses();
     }
@@ -484,11 +490,13 @@ pub fn replay<B: Backend>(
                     }
                     duplicate_allocs += 1;
                     active = active.saturating_sub(old.size);
-                    if let Err(kind) = release(backend, &mut waiters, old, free_action) {
+                    let t = times.as_mut().map(|t| &mut t.free);
+                    if let Err(kind) = release(backend, &mut waiters, old, free_action, t) {
                         return fail(i, kind);
                     }
                 }
-                let ptr = match backend.allocate(e.size, e.stream) {
+                let t = times.as_mut().map(|t| &mut t.alloc);
+                let ptr = match timed(t, || backend.allocate(e.size, e.stream)) {
                     Ok(p) => Some(p),
                     Err(error) if is_oom(&error) => {
                         ooms += 1;
@@ -515,7 +523,8 @@ pub fn replay<B: Backend>(
                 if let Some(l) = live.get_mut(&e.addr) {
                     if let (Some(ptr), None) = (l.ptr.filter(|&p| p != 0), l.waiting) {
                         let w = waiters.take();
-                        if let Err(error) = backend.free_after(ptr, w) {
+                        let t = times.as_mut().map(|t| &mut t.free);
+                        if let Err(error) = timed(t, || backend.free_after(ptr, w)) {
                             let kind =
                                 ReplayErrorKind::allocator(Action::FreeRequested, l.size, error);
                             return fail(i, kind);
@@ -529,7 +538,8 @@ pub fn replay<B: Backend>(
             a if a == free_action => match live.remove(&e.addr) {
                 Some(l) => {
                     active = active.saturating_sub(l.size);
-                    if let Err(kind) = release(backend, &mut waiters, l, a) {
+                    let t = times.as_mut().map(|t| &mut t.free);
+                    if let Err(kind) = release(backend, &mut waiters, l, a, t) {
                         return fail(i, kind);
                     }
                     reserved = backend.reserved_bytes();
@@ -582,6 +592,7 @@ pub fn replay<B: Backend>(
         windows: window_snapshots,
         waste_at_peak,
         misses,
+        call_times: times,
     })
 }
 
@@ -642,6 +653,7 @@ mod tests {
             windows: 0,
             waste_at_peak: false,
             misses: false,
+            call_times: false,
         }
     }
 

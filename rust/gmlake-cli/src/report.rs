@@ -46,6 +46,10 @@ pub struct Row {
     /// first of them (`misses::Misses`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub misses_second_half: Option<crate::misses::Misses>,
+    /// `--call-times`: the distribution of the allocator's allocations and frees, ns
+    /// (`call_times::CallTimesRow`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub call_times: Option<crate::call_times::CallTimesRow>,
     /// Estimated host time of the driver calls (ms), from per-call costs measured on an H100
     /// (`cost.rs`): idle GPU and busy GPU, whole trace and second half.
     pub driver_ms_idle: Option<f64>,
@@ -359,6 +363,10 @@ impl Row {
             misses_second_half: ours
                 .and(m.misses.as_ref())
                 .map(|v| crate::misses::Misses::of(v)),
+            call_times: m
+                .call_times
+                .as_ref()
+                .map(crate::call_times::CallTimesRow::of),
             driver_ms_idle: est.map(|e| e.0),
             driver_ms_busy: est.map(|e| e.1),
             driver_ms_idle_second_half: est2.map(|e| e.0),
@@ -406,6 +414,9 @@ impl Row {
         }
         if let Some(m) = &self.misses_second_half {
             notes.push(format!("{at}: {}", m.line()));
+        }
+        if let Some(c) = &self.call_times {
+            notes.push(format!("{at}: {}", c.line()));
         }
         if let Some(j) = &self.jitter {
             notes.push(format!("{at}: {}", j.line()));
@@ -671,6 +682,7 @@ mod tests {
             windows: Vec::new(),
             waste_at_peak: None,
             misses: None,
+            call_times: None,
         }
     }
 

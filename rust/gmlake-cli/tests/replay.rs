@@ -1113,6 +1113,34 @@ fn upgrade_pages_replays_a_page_size_upgrade() {
     );
 }
 
+/// `--call-times`: one duration per allocation and per free the replay makes (the decode
+/// trace allocates and frees each of its blocks once: as many frees as allocations, half the
+/// events between them with the completions), ordered percentiles, and asking changes no
+/// decision.
+#[test]
+fn call_times_time_every_allocation_and_free_without_changing_a_decision() {
+    let plain = replay_row("decode.pickle", &[]);
+    let row = replay_row("decode.pickle", &["--call-times"]);
+    assert!(plain.get("call_times").is_none());
+    for k in ["peak_reserved_bytes", "driver_calls"] {
+        assert_eq!(row[k], plain[k], "{k} changed with --call-times");
+    }
+    let t = &row["call_times"];
+    let (a, f) = (&t["alloc"], &t["free"]);
+    let n = a["count"].as_u64().unwrap();
+    assert!(n > 1000, "{t}");
+    assert_eq!(f["count"].as_u64().unwrap(), n, "{t}");
+    assert!(2 * n <= row["events"].as_u64().unwrap(), "{t}");
+    for d in [a, f] {
+        let q: Vec<u64> = ["p50_ns", "p90_ns", "p99_ns", "max_ns"]
+            .iter()
+            .map(|k| d[*k].as_u64().unwrap())
+            .collect();
+        assert!(q.windows(2).all(|w| w[0] <= w[1]) && q[0] > 0, "{d}");
+        assert!(d["mean_ns"].as_f64().unwrap() <= q[3] as f64, "{d}");
+    }
+}
+
 /// `--misses` on the two-rank FSDP2 trace with busy side streams (whose steady state still
 /// maps, as the GPU's does): the second half's misses are reported with the best window's
 /// busy pages split by holder (the split adds up), at most 20 listed, each listed one from
