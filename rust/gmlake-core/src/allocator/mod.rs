@@ -168,8 +168,8 @@ struct State {
     /// Lent pages one miss may examine for a reusable window (`pages::MAX_REUSE_CHECKS`;
     /// tests lower it to exercise the resumed scan).
     reuse_checks: u64,
-    /// Tests: every miss that finds no kept window also runs the scan that classifies every
-    /// page, and panics if it disagrees (`set_check_clean_exit`).
+    /// Tests: every miss that may take no busy alias also runs the scan that classifies every
+    /// page, and panics if it chooses otherwise (`set_check_clean_exit`).
     check_clean_exit: bool,
 }
 
@@ -732,9 +732,9 @@ impl<D: Device> Allocator<D> {
         self.state.lock().reuse_checks = pages;
     }
 
-    /// For tests: makes every miss that finds no kept window check that the scan that
-    /// classifies every page finds none either and moves the cursor alike (a panic if not).
-    /// Doubles the cost of such misses.
+    /// For tests: makes every miss that may take no busy alias check that the scan that
+    /// classifies every page chooses the same window (or none) and moves the cursor alike
+    /// (a panic if not). Doubles the cost of such misses.
     #[doc(hidden)]
     pub fn set_check_clean_exit(&self, on: bool) {
         self.state.lock().check_clean_exit = on;
