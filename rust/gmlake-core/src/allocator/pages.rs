@@ -693,8 +693,8 @@ impl State {
     /// `MAX_REUSE_CHECKS` (`reuse_checks`); the scan starts at the arena's `reuse_cursor`
     /// and wraps around. With `max_busy` 0, only regions that meet a clean span as long as
     /// `size` (`long_clean_spans`) have their pages classified; the others are walked for
-    /// the cursor alone. Also returns where the next scan should start (the cursor moves only when the
-    /// bound cut this scan short).
+    /// the cursor alone. Also returns where the next scan should start (the cursor moves
+    /// only when the bound cut this scan short).
     ///
     /// `view`: which pages of other streams' free blocks count as free (`gives_freed_until`);
     /// `ReuseView::AfterWait` counts those `stream` may not take yet as if it had waited for
@@ -721,8 +721,9 @@ impl State {
         found
     }
 
-    /// `find_reuse`; `may_skip`: whether a miss with no clean window may skip classifying
-    /// pages (false only to check that it loses nothing).
+    /// `find_reuse`; `may_skip`: whether the regions that meet no long enough clean span may
+    /// be walked without classifying their pages (false only to check that this changes no
+    /// choice).
     fn find_reuse_with(
         &self,
         aid: u32,
