@@ -1090,13 +1090,12 @@ impl Arena {
     /// The clean spans around the lent pages at `clean` (addresses of aliases here, sorted
     /// and without repeats): each maximal run of consecutive pages of `clean`, extended over
     /// the free mapped blocks before and after it, and joined to the next run where those
-    /// meet. Given as (start, end), in address order, to `f` until it returns true (found
-    /// what it looks for). A reuse window with no busy alias covers such pages and free
+    /// meet, as (start, end) in address order. A reuse window with no busy alias covers such pages and free
     /// mapped blocks only, so it lies in one of these spans: a span shorter than a request
     /// holds no such window for it. The spans may be longer than the scan's regions (a run
     /// is not cut at a chunk boundary), never shorter. O(runs) block lookups, each a hash
     /// probe; the aliases, busy ones included, are not walked.
-    pub fn clean_spans(&self, clean: &[u64], mut f: impl FnMut(u64, u64) -> bool) {
+    pub fn clean_spans(&self, clean: &[u64]) -> Vec<(u64, u64)> {
         let page = self.page;
         let free_before = |mut s: u64| {
             while let Some((a, b)) = self.blocks.ending_at(s) {
@@ -1116,7 +1115,7 @@ impl Arena {
             }
             e
         };
-        let mut span: Option<(u64, u64)> = None;
+        let mut spans: Vec<(u64, u64)> = Vec::new();
         let mut i = 0;
         while i < clean.len() {
             // The run of consecutive clean pages from clean[i].
@@ -1128,20 +1127,13 @@ impl Arena {
                 i += 1;
             }
             let (s, e) = (free_before(s), free_after(e));
-            span = match span {
-                Some((ss, se)) if s <= se => Some((ss, se.max(e))),
-                Some((ss, se)) => {
-                    if f(ss, se) {
-                        return;
-                    }
-                    Some((s, e))
-                }
-                None => Some((s, e)),
-            };
+            match spans.last_mut() {
+                // Joined where the free blocks between two runs meet.
+                Some(last) if s <= last.1 => last.1 = last.1.max(e),
+                _ => spans.push((s, e)),
+            }
         }
-        if let Some((ss, se)) = span {
-            f(ss, se);
-        }
+        spans
     }
 
     /// The regions (maximal runs of adjacent free mapped and lent blocks of one chunk) that
@@ -1924,16 +1916,6 @@ mod tests {
         }
     }
 
-    /// The clean spans `clean_spans` gives for `clean`: (start, end) of each.
-    fn spans(a: &Arena, clean: &[u64]) -> Vec<(u64, u64)> {
-        let mut out = Vec::new();
-        a.clean_spans(clean, |s, e| {
-            out.push((s, e));
-            false
-        });
-        out
-    }
-
     #[test]
     fn clean_spans_run_over_free_blocks_and_clean_pages_and_stop_at_a_busy_page() {
         // live | free 2P | lent 2P | live | unmapped
@@ -1942,13 +1924,13 @@ mod tests {
         assert_eq!(a.lent_pages(), 2);
         // Both lent pages clean: the span takes in the free block before them and ends at
         // the live block after them; given once although two pages start it.
-        assert_eq!(spans(&a, &[f + 2 * P, f + 3 * P]), vec![(f, f + 4 * P)]);
+        assert_eq!(a.clean_spans(&[f + 2 * P, f + 3 * P]), vec![(f, f + 4 * P)]);
         // The first lent page busy: the span is the second page alone.
-        assert_eq!(spans(&a, &[f + 3 * P]), vec![(f + 3 * P, f + 4 * P)]);
+        assert_eq!(a.clean_spans(&[f + 3 * P]), vec![(f + 3 * P, f + 4 * P)]);
         // The second busy: the free block and the first page.
-        assert_eq!(spans(&a, &[f + 2 * P]), vec![(f, f + 3 * P)]);
+        assert_eq!(a.clean_spans(&[f + 2 * P]), vec![(f, f + 3 * P)]);
         // Nothing clean: no span.
-        assert_eq!(spans(&a, &[]), vec![]);
+        assert_eq!(a.clean_spans(&[]), vec![]);
     }
 
     #[test]

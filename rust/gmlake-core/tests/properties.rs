@@ -174,7 +174,7 @@ fn check_live(dev: &SimDevice, live: &[(u64, u64)]) -> Result<(), String> {
 fn run(config: Config, ops: Vec<Op>) -> Result<(), TestCaseError> {
     let dev = Arc::new(SimDevice::new(DEVICE).asynchronous());
     let a = Allocator::new(dev.clone(), config).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    a.set_check_clean_exit(true);
+    a.set_check_clean_spans(true);
     let mut live: Vec<(u64, u64)> = Vec::new();
     for (step, op) in ops.into_iter().enumerate() {
         // The statistics every third step: `inactive_split` is then kept from the blocks
@@ -356,7 +356,7 @@ fn apply_reuse_op(
 fn run_reuse_ops(ops: &[Op], config: Config) -> gmlake_core::DeviceStats {
     let dev = Arc::new(SimDevice::new(DEVICE).asynchronous());
     let a = Allocator::new(dev.clone(), config).unwrap();
-    a.set_check_clean_exit(true);
+    a.set_check_clean_spans(true);
     let mut live: Vec<(u64, u64)> = Vec::new();
     for op in ops.iter().cloned() {
         apply_reuse_op(&a, &dev, op, &mut live);
@@ -392,7 +392,7 @@ fn random_regime_keeps_invariants_with_a_resumed_scan() {
         };
         let a = Allocator::new(dev.clone(), cfg).unwrap();
         a.set_reuse_scan_limit(64);
-        a.set_check_clean_exit(true);
+        a.set_check_clean_spans(true);
         let mut live: Vec<(u64, u64)> = (0..1000)
             .map(|_| {
                 let s = draw();

@@ -169,8 +169,8 @@ struct State {
     /// tests lower it to exercise the resumed scan).
     reuse_checks: u64,
     /// Tests: every miss that may take no busy alias also runs the scan that classifies every
-    /// page, and panics if it chooses otherwise (`set_check_clean_exit`).
-    check_clean_exit: bool,
+    /// page, and panics if it chooses otherwise (`set_check_clean_spans`).
+    check_clean_spans: bool,
 }
 
 /// The allocator for one device. `Send + Sync`; every operation takes one lock briefly.
@@ -294,7 +294,7 @@ impl<D: Device> Allocator<D> {
             miss_log: VecDeque::new(),
             debug,
             reuse_checks: pages::MAX_REUSE_CHECKS,
-            check_clean_exit: false,
+            check_clean_spans: false,
         };
         state.update_limit();
         tracing::debug!(page, total, "gmlake allocator created");
@@ -736,8 +736,8 @@ impl<D: Device> Allocator<D> {
     /// classifies every page chooses the same window (or none) and moves the cursor alike
     /// (a panic if not). Doubles the cost of such misses.
     #[doc(hidden)]
-    pub fn set_check_clean_exit(&self, on: bool) {
-        self.state.lock().check_clean_exit = on;
+    pub fn set_check_clean_spans(&self, on: bool) {
+        self.state.lock().check_clean_spans = on;
     }
 
     /// Keeps up to `capacity` history events (0 turns history off and drops it).

@@ -708,7 +708,7 @@ impl State {
         view: ReuseView,
     ) -> (Option<Reuse>, u64) {
         let found = self.find_reuse_with(aid, size, max_busy, view, true);
-        if self.check_clean_exit && max_busy == 0 {
+        if self.check_clean_spans && max_busy == 0 {
             // Tests: the scan that classifies every page must agree, cursor included.
             let full = self.find_reuse_with(aid, size, max_busy, view, false);
             let start = |f: &(Option<Reuse>, u64)| (f.0.as_ref().map(|r| r.start), f.1);
@@ -803,15 +803,18 @@ impl State {
             if rend - rstart < size {
                 continue;
             }
+            // Every page of a lent block is an alias (I3): the bound counts them all, whether
+            // the region is classified or only walked.
+            checked += region
+                .iter()
+                .filter(|(_, b)| !matches!(b.state, ArenaState::FreeMapped { .. }))
+                .map(|(_, b)| b.size / page)
+                .sum::<u64>();
             let meets_a_span = |spans: &Vec<(u64, u64)>| {
                 let i = spans.partition_point(|&(_, e)| e <= rstart);
                 spans.get(i).is_some_and(|&(s, _)| s < rend)
             };
             if long_spans.as_ref().is_some_and(|v| !meets_a_span(v)) {
-                let lent = region
-                    .iter()
-                    .filter(|(_, b)| !matches!(b.state, ArenaState::FreeMapped { .. }));
-                checked += lent.map(|(_, b)| b.size / page).sum::<u64>();
                 continue;
             }
             // Units: free mapped blocks (cost 0), lent pages: reusable (0) or busy (1).
@@ -822,8 +825,6 @@ impl State {
                     units.push((addr, b.size, 0));
                     continue;
                 }
-                checked += b.size / page;
-                // Every page of a lent block is an alias (I3).
                 for (va, h) in arena.lent_in(addr, addr + b.size) {
                     let reusable = match &free_pages {
                         Some(set) => {
@@ -1100,13 +1101,8 @@ fn long_clean_spans(arena: &Arena, free: &FxHashSet<PhysHandle>, size: u64) -> V
     let mut clean: Vec<u64> = arena.lent_of(free.iter()).map(|(va, _)| va).collect();
     clean.sort_unstable();
     clean.dedup();
-    let mut spans = Vec::new();
-    arena.clean_spans(&clean, |s, e| {
-        if e - s >= size {
-            spans.push((s, e));
-        }
-        false
-    });
+    let mut spans = arena.clean_spans(&clean);
+    spans.retain(|&(s, e)| e - s >= size);
     spans
 }
 
