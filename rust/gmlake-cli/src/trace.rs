@@ -484,6 +484,8 @@ fn convert_event(ev: RawEvent) -> Result<Parsed, String> {
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use super::*;
+
     /// A jittered copy: seed 0 is the trace; otherwise each allocation grows by a multiple
     /// of 512 bytes up to 3.5 KiB, its frees carry the new size, other events are as they
     /// were, and a seed always names the same copy.
@@ -534,8 +536,6 @@ pub(crate) mod tests {
         }
         assert!(grown > 40, "most of the 64 allocations grew: {grown}");
     }
-
-    use super::*;
 
     /// A minimal pickle writer (protocol 2 opcodes) for building test snapshots.
     #[derive(Clone)]
