@@ -22,7 +22,7 @@
 //! Consequently every maximal run of mapped blocks starts and ends on page boundaries.
 
 use crate::aliasmap::AliasMap;
-use crate::blockmap::{BlockMap, BlockRange};
+use crate::blockmap::{BlockMap, BlockWalk};
 use crate::deferred::DeferredSet;
 use crate::device::PhysHandle;
 use crate::fitindex::FitIndex;
@@ -120,7 +120,7 @@ struct QuickList {
 /// Walks an arena's regions that hold lent blocks (`Arena::lent_regions_from`).
 pub(crate) struct LentRegions<'a> {
     arena: &'a Arena,
-    blocks: std::iter::Peekable<BlockRange<'a>>,
+    blocks: std::iter::Peekable<BlockWalk<'a>>,
 }
 
 /// Blocks that cannot be in a region (live, unmapped, retired) a walk steps over one by one
@@ -146,7 +146,7 @@ impl LentRegions<'_> {
                     // `a` is in no region: the next region that holds a lent block starts
                     // after it.
                     let start = self.arena.lent_region_start(a);
-                    self.blocks = self.arena.blocks.range(start..).peekable();
+                    self.blocks = self.arena.blocks.walk_from(start).peekable();
                     skipped = 0;
                 }
             };
@@ -636,11 +636,7 @@ impl Arena {
         // Mostly a hit or a placement at a block's start: one probe, not an ordered search.
         let found = match self.blocks.get(&start) {
             Some(&b) => Some((start, b)),
-            None => self
-                .blocks
-                .range(..=start)
-                .next_back()
-                .map(|(&a, &b)| (a, b)),
+            None => self.blocks.last_at_or_before(start).map(|(a, &b)| (a, b)),
         };
         let Some((mut addr, mut b)) = found else {
             return;
@@ -810,6 +806,7 @@ impl Arena {
     /// it becomes `Lent` here, still mapped. Returns its handle, or None if the page is not
     /// an interior page of a free mapped block.
     pub fn lend_page_at(&mut self, va: u64, now: u64) -> Option<PhysHandle> {
+        self.blocks.settle();
         let (addr, b) = self.block_containing(va)?;
         if !matches!(b.state, BlockState::FreeMapped { .. }) || va + self.page > addr + b.size {
             return None;
@@ -902,6 +899,7 @@ impl Arena {
     /// Splits the page-aligned range [start, start + len) out of the lent block containing
     /// it; returns that block's (addr, block) before the split.
     fn split_lent(&mut self, start: u64, len: u64) -> Option<(u64, Block, u64)> {
+        self.blocks.settle();
         let (addr, b) = self.block_containing(start)?;
         let BlockState::Lent { since } = b.state else {
             return None;
@@ -1144,7 +1142,10 @@ impl Arena {
     pub fn lent_regions_from(&self, from: u64) -> LentRegions<'_> {
         LentRegions {
             arena: self,
-            blocks: self.blocks.range(self.lent_region_start(from)..).peekable(),
+            blocks: self
+                .blocks
+                .walk_from(self.lent_region_start(from))
+                .peekable(),
         }
     }
 
@@ -1156,8 +1157,8 @@ impl Arena {
         };
         let mut start = l;
         let chunk = self.blocks.get(&l).map_or(0, |b| b.chunk);
-        for (&pa, p) in self.blocks.range(..l).rev() {
-            if pa + p.size != start || p.chunk != chunk || !p.reusable() {
+        while let Some((pa, p)) = self.blocks.ending_at(start) {
+            if p.chunk != chunk || !p.reusable() {
                 break;
             }
             start = pa;
@@ -1210,9 +1211,17 @@ impl Arena {
     }
 
     /// Applies the deferred changes of the index of blocks by interior pages, which the
-    /// queries below read (a miss that stitches, memory returned).
+    /// queries below read (a miss that stitches, memory returned). The ordered block starts
+    /// are settled by the queries that search them (`BlockMap::settle`); the reuse scan's
+    /// walks step from block to block by hash and do not.
     pub fn settle(&mut self) {
         self.stealable.settle();
+    }
+
+    /// Applies the logged changes of the ordered block starts, for a caller about to search
+    /// them (`range` from any address: a placement's stitch; cheaper settled than merged).
+    pub fn settle_blocks(&mut self) {
+        self.blocks.settle();
     }
 
     /// Candidate blocks to take pages from, in the order a strategy wants them (the arena
@@ -1252,7 +1261,7 @@ impl Arena {
 
     /// The block containing `ptr`: (start, block).
     pub fn block_containing(&self, ptr: u64) -> Option<(u64, Block)> {
-        let (&a, &b) = self.blocks.range(..=ptr).next_back()?;
+        let (a, &b) = self.blocks.last_at_or_before(ptr)?;
         (ptr < a + b.size).then_some((a, b))
     }
 
@@ -1275,7 +1284,7 @@ impl Arena {
 
     /// The live block containing `ptr`: (base, size).
     pub fn live_containing(&self, ptr: u64) -> Option<(u64, u64)> {
-        let (&a, b) = self.blocks.range(..=ptr).next_back()?;
+        let (a, b) = self.blocks.last_at_or_before(ptr)?;
         (b.state == BlockState::Live && ptr < a + b.size).then_some((a, b.size))
     }
 
@@ -1287,6 +1296,7 @@ impl Arena {
     /// (cached, not split: `inactive_split` leaves them out). O(blocks changed since the last
     /// call), or O(blocks) after many changes without one (`freeruns.rs`).
     pub fn whole_free_runs(&mut self) -> (u64, u64) {
+        self.blocks.settle();
         let mut runs = std::mem::take(&mut self.runs);
         self.settle_runs(&mut runs);
         self.runs = runs;

@@ -9,26 +9,34 @@
 //! Invariant: a key's logged count is -1 (removed, it is in the set), +1 (inserted, it is not)
 //! or absent (no net change); the set with the log applied is the set of keys inserted and not
 //! removed since. Reads take the settled set, which the caller settles first (asserted in
-//! every build).
+//! every build), or, for a reader that cannot settle it (`blockmap.rs`'s ordered starts, read
+//! through `&self`), the set as last settled and the keys inserted since, which it merges.
 
 use rustc_hash::FxHashMap;
 use std::collections::BTreeSet;
 use std::hash::Hash;
 
 /// Pending changes beyond which the log is applied at once (bounds its memory where the set
-/// is never read: a job that never misses).
+/// is never read: a job that never misses), unless `with_cap` says otherwise.
 const LOG_CAP: usize = 4096;
 
 pub(crate) struct DeferredSet<K> {
     set: BTreeSet<K>,
     log: FxHashMap<K, i8>,
+    cap: usize,
 }
 
 impl<K: Ord + Hash + Copy + std::fmt::Debug> DeferredSet<K> {
     pub fn new() -> Self {
+        Self::with_cap(LOG_CAP)
+    }
+
+    /// A set whose log is applied once it holds more than `cap` changes.
+    pub fn with_cap(cap: usize) -> Self {
         DeferredSet {
             set: BTreeSet::new(),
             log: FxHashMap::default(),
+            cap,
         }
     }
 
@@ -46,7 +54,7 @@ impl<K: Ord + Hash + Copy + std::fmt::Debug> DeferredSet<K> {
         debug_assert!(c.abs() <= 1, "{k:?} inserted or removed twice");
         if *c == 0 {
             self.log.remove(&k);
-        } else if self.log.len() > LOG_CAP {
+        } else if self.log.len() > self.cap {
             self.settle();
         }
     }
@@ -72,6 +80,19 @@ impl<K: Ord + Hash + Copy + std::fmt::Debug> DeferredSet<K> {
             "a deferred set read before it was settled"
         );
         &self.set
+    }
+
+    /// Whether no change is pending.
+    pub fn is_settled(&self) -> bool {
+        self.log.is_empty()
+    }
+
+    /// The set as last settled, and the keys inserted since (not sorted): for readers that
+    /// cannot settle it (the keys removed since are in the set still; the caller tells them
+    /// apart).
+    pub fn unsettled_parts(&self) -> (&BTreeSet<K>, impl Iterator<Item = K> + '_) {
+        let inserted = self.log.iter().filter(|&(_, &c)| c > 0).map(|(&k, _)| k);
+        (&self.set, inserted)
     }
 
     /// The set with the log applied, without settling it (for checks).

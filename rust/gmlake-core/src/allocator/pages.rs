@@ -91,6 +91,8 @@ impl State {
         attempt: usize,
         exclude: Exclude,
     ) -> Result<Option<Vec<(PhysHandle, bool)>>> {
+        // Its queries search the arena's blocks by address.
+        self.arenas[aid as usize].settle_blocks();
         let exclude = (
             self.arenas[aid as usize]
                 .free_mapped_start(exclude.0)
