@@ -142,6 +142,37 @@ mod tests {
     }
 
     #[test]
+    fn an_unsettled_set_shows_its_settled_keys_and_the_inserts_since() {
+        let mut s: DeferredSet<u64> = DeferredSet::with_cap(4);
+        s.insert(1);
+        s.insert(2);
+        s.settle();
+        s.remove(1);
+        s.insert(3);
+        assert!(!s.is_settled());
+        let (set, inserted) = s.unsettled_parts();
+        assert_eq!(
+            set.iter().copied().collect::<Vec<_>>(),
+            vec![1, 2],
+            "as last settled"
+        );
+        assert_eq!(
+            inserted.collect::<Vec<_>>(),
+            vec![3],
+            "removes are not inserts"
+        );
+        // Past its own cap (4 changes), the log is applied.
+        for k in 10..13 {
+            s.insert(k);
+        }
+        assert!(s.is_settled());
+        assert_eq!(
+            s.settled().iter().copied().collect::<Vec<_>>(),
+            vec![2, 3, 10, 11, 12]
+        );
+    }
+
+    #[test]
     fn a_long_log_is_applied_at_once() {
         let mut s: DeferredSet<u64> = DeferredSet::new();
         for k in 0..=LOG_CAP as u64 {
