@@ -16,10 +16,13 @@
 //! insert and remove (55-75 ns each at 1k-20k blocks) per allocation that is not of a parked
 //! size. So its changes are logged (`DeferredSet`): an insert cancels against its remove at
 //! the price of a hash probe, and the log is applied when a caller that may settle asks
-//! (`settle`: the arena's misses), or once it is long. A reader that cannot settle (`&self`)
-//! gets the same answers from the set as last settled merged with the logged inserts (a
-//! settled start absent from `blocks` was removed since): exactly the order of a set kept up
-//! to date, at O(log length) more a query.
+//! (`settle`: a placement's stitch, lending a page, splitting a lent block, `inactive_split`),
+//! or once it holds `STARTS_LOG_CAP` changes. A reader that cannot settle (`&self`) gets the
+//! same answers from the set as last settled merged with the logged inserts (a settled start
+//! absent from `blocks` was removed since): exactly the order of a set kept up to date, at a
+//! scan of the log more a query. Walks in address order from a block (`walk_from`, the reuse
+//! scan's) need no ordered set at all: blocks tile a chunk, so the next block starts where
+//! one ends.
 //!
 //! Invariant (between the arena's operations; within one, a block written may end where a
 //! block about to be removed ends): `starts` with its log applied and the keys of `blocks`
@@ -306,8 +309,8 @@ impl BlockMap {
         }
     }
 
-    /// Applies the logged changes of the ordered starts (the arena's misses, before their
-    /// walks; any `&mut` reader may).
+    /// Applies the logged changes of the ordered starts: before searches from any address
+    /// that a `&mut` caller makes (cheaper settled than merged).
     pub fn settle(&mut self) {
         self.starts.settle();
     }
