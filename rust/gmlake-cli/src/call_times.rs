@@ -28,6 +28,11 @@ pub fn timed<T>(into: Option<&mut Vec<u64>>, f: impl FnOnce() -> T) -> T {
     }
 }
 
+/// Calls this long or longer are counted apart (`slow_count`, `slow_ms`): on the replay's
+/// simulated device a hit of the cache takes a few hundred ns and a miss (a scan for a kept
+/// window, a stitch) several µs, so the split is about hits against misses.
+const SLOW_NS: u64 = 1000;
+
 /// A distribution of call durations (ns); percentiles by nearest rank.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Distribution {
@@ -37,6 +42,11 @@ pub struct Distribution {
     pub p90_ns: u64,
     pub p99_ns: u64,
     pub max_ns: u64,
+    /// The calls' time in all, ms: what a change of the allocator's time is read from.
+    pub total_ms: f64,
+    /// The calls of `SLOW_NS` (1 µs) or more and their time, ms.
+    pub slow_count: usize,
+    pub slow_ms: f64,
 }
 
 impl Distribution {
@@ -48,36 +58,58 @@ impl Distribution {
         let max = *s.last()?;
         // Nearest rank: the smallest sample with at least q of them at or below it.
         let rank = |q: f64| s[((q * n as f64).ceil() as usize).clamp(1, n) - 1];
+        let total: f64 = s.iter().map(|&x| x as f64).sum();
+        let slow_from = s.partition_point(|&x| x < SLOW_NS);
+        let slow: f64 = s[slow_from..].iter().map(|&x| x as f64).sum();
         Some(Distribution {
             count: n,
-            mean_ns: s.iter().map(|&x| x as f64).sum::<f64>() / n as f64,
+            mean_ns: total / n as f64,
             p50_ns: rank(0.5),
             p90_ns: rank(0.9),
             p99_ns: rank(0.99),
             max_ns: max,
+            total_ms: total / 1e6,
+            slow_count: n - slow_from,
+            slow_ms: slow / 1e6,
         })
     }
 
     fn line(&self) -> String {
         format!(
-            "p50 {} ns, p90 {}, p99 {}, mean {:.0}, max {} ({} calls)",
-            self.p50_ns, self.p90_ns, self.p99_ns, self.mean_ns, self.max_ns, self.count
+            "p50 {} ns, p90 {}, p99 {}, mean {:.0}, max {} ({} calls, {:.1} ms; {} of 1 µs or \
+             more, {:.1} ms)",
+            self.p50_ns,
+            self.p90_ns,
+            self.p99_ns,
+            self.mean_ns,
+            self.max_ns,
+            self.count,
+            self.total_ms,
+            self.slow_count,
+            self.slow_ms
         )
     }
 }
 
-/// `--call-times` in a row: allocations' and frees' distributions (null: none made).
+/// `--call-times` in a row: allocations' and frees' distributions (null: none made), over
+/// all the calls and over the second half of them (in call order): a job's steady state,
+/// where its warm-up's misses are behind it.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct CallTimesRow {
     pub alloc: Option<Distribution>,
     pub free: Option<Distribution>,
+    pub alloc_second_half: Option<Distribution>,
+    pub free_second_half: Option<Distribution>,
 }
 
 impl CallTimesRow {
     pub fn of(t: &CallTimes) -> CallTimesRow {
+        let second_half = |v: &[u64]| Distribution::of(&v[v.len() / 2..]);
         CallTimesRow {
             alloc: Distribution::of(&t.alloc),
             free: Distribution::of(&t.free),
+            alloc_second_half: second_half(&t.alloc),
+            free_second_half: second_half(&t.free),
         }
     }
 
@@ -85,9 +117,12 @@ impl CallTimesRow {
     pub fn line(&self) -> String {
         let part = |d: &Option<Distribution>| d.map_or("none".to_string(), |d| d.line());
         format!(
-            "allocator calls: allocations {}; frees {}",
+            "allocator calls: allocations {}; frees {}; the second half of the calls: \
+             allocations {}; frees {}",
             part(&self.alloc),
-            part(&self.free)
+            part(&self.free),
+            part(&self.alloc_second_half),
+            part(&self.free_second_half)
         )
     }
 }
@@ -105,6 +140,14 @@ mod tests {
             (100, 50, 90, 99, 100)
         );
         assert_eq!(d.mean_ns, 50.5);
+        assert_eq!(d.total_ms, 5050.0 / 1e6);
+        assert_eq!((d.slow_count, d.slow_ms), (0, 0.0));
+        let mixed = Distribution::of(&[200, 5000, 300, 1000]).unwrap();
+        assert_eq!(
+            (mixed.slow_count, mixed.slow_ms, mixed.total_ms),
+            (2, 6000.0 / 1e6, 6500.0 / 1e6),
+            "1 µs and more is slow"
+        );
         let one = Distribution::of(&[7]).unwrap();
         assert_eq!((one.p50_ns, one.p99_ns, one.max_ns), (7, 7, 7));
         assert_eq!(Distribution::of(&[]), None);
@@ -117,10 +160,17 @@ mod tests {
         assert_eq!(timed(None, || 4), 4);
         assert_eq!(v.len(), 1);
         let row = CallTimesRow::of(&CallTimes {
-            alloc: vec![10, 30, 20],
+            alloc: vec![10, 30, 20, 40],
             free: Vec::new(),
         });
         assert_eq!(row.alloc.unwrap().p50_ns, 20);
+        let half = row.alloc_second_half.unwrap();
+        assert_eq!(
+            (half.count, half.p50_ns, half.max_ns),
+            (2, 20, 40),
+            "calls 3 and 4"
+        );
+        assert!(row.free_second_half.is_none());
         assert!(row.line().contains("frees none"), "{}", row.line());
     }
 }

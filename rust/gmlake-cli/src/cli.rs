@@ -236,9 +236,11 @@ pub struct ReplayArgs {
     pub misses: bool,
 
     /// Also time every allocation and free the replay asks of the allocator and report
-    /// their distribution: count, mean, p50, p90, p99 and max in ns (JSON: `call_times`;
-    /// table: a note per device). The median is the hit path's cost; `cpu µs/event` is a
-    /// mean that misses dominate. Two clock readings a call; decisions do not change.
+    /// their distribution: count, mean, p50, p90, p99 and max in ns, the total in ms and the
+    /// part of it in calls of 1 µs or more (misses, mostly), over all the calls and over the
+    /// second half of them, a job's steady state (JSON: `call_times`; table: a note per
+    /// device). The median is the hit path's cost; `cpu µs/event` is a mean that misses
+    /// dominate. Two clock readings a call; decisions do not change.
     #[arg(long)]
     pub call_times: bool,
 

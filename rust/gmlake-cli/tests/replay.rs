@@ -1138,6 +1138,19 @@ fn call_times_time_every_allocation_and_free_without_changing_a_decision() {
             .collect();
         assert!(q.windows(2).all(|w| w[0] <= w[1]) && q[0] > 0, "{d}");
         assert!(d["mean_ns"].as_f64().unwrap() <= q[3] as f64, "{d}");
+        let total = d["total_ms"].as_f64().unwrap();
+        let mean_total = d["mean_ns"].as_f64().unwrap() * d["count"].as_f64().unwrap() / 1e6;
+        assert!((total - mean_total).abs() <= 1e-6 * total.max(1.0), "{d}");
+        assert!(d["slow_ms"].as_f64().unwrap() <= total, "{d}");
+    }
+    // The second half: the later half of the calls, in call order.
+    for (all, half) in [(a, &t["alloc_second_half"]), (f, &t["free_second_half"])] {
+        let (n, h) = (
+            all["count"].as_u64().unwrap(),
+            half["count"].as_u64().unwrap(),
+        );
+        assert_eq!(h, n - n / 2, "{t}");
+        assert!(half["total_ms"].as_f64().unwrap() <= all["total_ms"].as_f64().unwrap());
     }
 }
 
