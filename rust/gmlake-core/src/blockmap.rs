@@ -101,34 +101,52 @@ struct Merge {
 }
 
 impl<'a> BlockRange<'a> {
-    /// The next settled start still recorded, from the front; one peeked by the back is taken
-    /// once the settled range is spent.
-    fn settled_front(&mut self) -> Option<u64> {
-        let m = self.merge.as_mut().expect("merged walk");
-        if m.front.is_none() {
-            m.front = loop {
-                match self.settled.next() {
-                    Some(k) if self.blocks.contains_key(k) => break Some(*k),
+    /// The next start of a merged walk from the front (`front`) or from the back: the nearer
+    /// of the next settled start still recorded and the next logged insert (the two are
+    /// disjoint). Each end keeps the settled start it peeked; when the settled range is spent
+    /// from one end, the start the other end peeked is the last one left.
+    fn merged_step(&mut self, front: bool) -> Option<u64> {
+        let BlockRange {
+            settled,
+            merge,
+            blocks,
+        } = self;
+        let m = merge.as_mut()?;
+        let (mine, theirs) = if front {
+            (&mut m.front, &mut m.back)
+        } else {
+            (&mut m.back, &mut m.front)
+        };
+        if mine.is_none() {
+            *mine = loop {
+                let k = if front {
+                    settled.next()
+                } else {
+                    settled.next_back()
+                };
+                match k {
+                    Some(k) if blocks.contains_key(k) => break Some(*k),
                     Some(_) => continue,
-                    None => break m.back.take(),
+                    None => break theirs.take(),
                 }
             };
         }
-        m.front
-    }
-
-    fn settled_back(&mut self) -> Option<u64> {
-        let m = self.merge.as_mut().expect("merged walk");
-        if m.back.is_none() {
-            m.back = loop {
-                match self.settled.next_back() {
-                    Some(k) if self.blocks.contains_key(k) => break Some(*k),
-                    Some(_) => continue,
-                    None => break m.front.take(),
-                }
-            };
+        let added = (m.lo < m.hi).then(|| m.added[if front { m.lo } else { m.hi - 1 }]);
+        let take_added = match (*mine, added) {
+            // The smaller from the front, the larger from the back.
+            (Some(s), Some(x)) => (x < s) == front,
+            (None, Some(_)) => true,
+            (_, None) => false,
+        };
+        if !take_added {
+            return mine.take();
         }
-        m.back
+        if front {
+            m.lo += 1;
+        } else {
+            m.hi -= 1;
+        }
+        added
     }
 
     fn item(&self, a: u64) -> (&'a u64, &'a Block) {
@@ -144,24 +162,7 @@ impl<'a> Iterator for BlockRange<'a> {
             let a = self.settled.next()?;
             return Some((a, &self.blocks[a]));
         }
-        let s = self.settled_front();
-        let m = self.merge.as_mut().expect("merged walk");
-        let added = (m.lo < m.hi).then(|| m.added[m.lo]);
-        let a = match (s, added) {
-            (Some(s), Some(x)) if x < s => {
-                m.lo += 1;
-                x
-            }
-            (Some(s), _) => {
-                m.front = None;
-                s
-            }
-            (None, Some(x)) => {
-                m.lo += 1;
-                x
-            }
-            (None, None) => return None,
-        };
+        let a = self.merged_step(true)?;
         Some(self.item(a))
     }
 }
@@ -172,24 +173,7 @@ impl DoubleEndedIterator for BlockRange<'_> {
             let a = self.settled.next_back()?;
             return Some((a, &self.blocks[a]));
         }
-        let s = self.settled_back();
-        let m = self.merge.as_mut().expect("merged walk");
-        let added = (m.lo < m.hi).then(|| m.added[m.hi - 1]);
-        let a = match (s, added) {
-            (Some(s), Some(x)) if x > s => {
-                m.hi -= 1;
-                x
-            }
-            (Some(s), _) => {
-                m.back = None;
-                s
-            }
-            (None, Some(x)) => {
-                m.hi -= 1;
-                x
-            }
-            (None, None) => return None,
-        };
+        let a = self.merged_step(false)?;
         Some(self.item(a))
     }
 }
