@@ -514,14 +514,23 @@ fn second_half(name: &str, set: &[&str]) -> (u64, Value) {
 fn steady_state_driver_calls_are_reported_and_kept_mappings_cut_them() {
     // The GPT trace (activation checkpointing, sequence length drawn per step): once warm,
     // its steps reuse kept stitched ranges. Without kept mappings (max_aliases 0) every step
-    // stitches anew.
+    // stitches anew: an order of magnitude more calls, over the trace and three jittered
+    // copies (medians; one layout may be unlucky: the trace itself makes 786 against 7,353
+    // with tails last, its copies 26-170 against 749-7,989).
     let (with, row) = second_half("gpt-ckpt.pickle", &[]);
-    let (without, _) = second_half("gpt-ckpt.pickle", &["max_aliases=0"]);
+    let median = |set: &[&str]| {
+        let mut args: Vec<&str> = set.iter().flat_map(|s| ["--set", s]).collect();
+        args.extend(["--jitter", "3"]);
+        replay_row("gpt-ckpt.pickle", &args)["jitter"]["driver_calls_second_half"]["median"]
+            .as_f64()
+            .unwrap()
+    };
+    let (kept, not_kept) = (median(&[]), median(&["max_aliases=0"]));
     let total = row["driver_calls"]["total"].as_u64().unwrap();
     assert!(with <= total);
     assert!(
-        with * 10 < without,
-        "second half: {with} calls kept, {without} not"
+        kept * 10.0 < not_kept,
+        "second half (medians): {kept} calls kept, {not_kept} not"
     );
     let per_1k = row["driver_calls_per_1k_events_second_half"]
         .as_f64()
@@ -702,9 +711,10 @@ fn a_small_job_with_varying_shapes_keeps_its_aliases() {
 /// free, so the last two of seven windows (steps) make no VMM call, with the side streams'
 /// events completing at once or pending until the next trace event (the last three before
 /// `replace_min_pages`, whose windows under 8 pages take a step longer to settle); at the
-/// defaults each of the last three re-stitches (15-187 VMM calls a window). Four H200s
-/// agreed: 127-202 VMM calls a step on rank 0 at the defaults, none after the first measured
-/// step with the option.
+/// defaults the last one re-stitches (107 VMM calls; each of the last three, 15-187 a window,
+/// with the stitch order before tails last). Four H200s agreed (before tails last): 127-202
+/// VMM calls a step on rank 0 at the defaults, none after the first measured step with the
+/// option.
 #[test]
 fn reuse_fenced_blocks_leaves_the_zero3_n_steady_state_without_vmm_calls() {
     let vmm = |extra: &[&str]| -> Vec<u64> {
@@ -735,11 +745,17 @@ fn reuse_fenced_blocks_leaves_the_zero3_n_steady_state_without_vmm_calls() {
             .copied()
             .chain(["--set", "reuse_fenced_blocks=1"])
             .collect();
-        let (off, on) = (vmm(model), vmm(&on));
+        let tails_first: Vec<&str> = model
+            .iter()
+            .copied()
+            .chain(["--set", "stitch_tails_last=0"])
+            .collect();
+        let (off, on, first) = (vmm(model), vmm(&on), vmm(&tails_first));
         assert_eq!(&on[5..], &[0, 0], "with the option, {model:?}: {on:?}");
+        assert!(off[6] > 0, "at the defaults, {model:?}: {off:?}");
         assert!(
-            off[4..].iter().all(|&c| c > 0),
-            "at the defaults, {model:?}: {off:?}"
+            first[4..].iter().all(|&c| c > 0),
+            "tails first, {model:?}: {first:?}"
         );
     }
 }
@@ -769,8 +785,15 @@ fn replay_predicts_the_gpu_driver_calls_of_the_zero3_job() {
         );
         (o - g).abs() / g
     };
-    // The GPU figures are of 2 MiB pages throughout (before the page-size upgrade's default).
-    let (deferred, n) = calls(&["--set", "page_upgrade_at=off"]);
+    // The GPU figures are of 2 MiB pages throughout and of the stitch order before tails
+    // last (before those defaults).
+    let before = [
+        "--set",
+        "page_upgrade_at=off",
+        "--set",
+        "stitch_tails_last=0",
+    ];
+    let (deferred, n) = calls(&before);
     assert!(n > 5000, "{n} waiting frees replayed");
     assert!(
         off(&deferred, "total") <= 0.15,
@@ -780,7 +803,7 @@ fn replay_predicts_the_gpu_driver_calls_of_the_zero3_job() {
         off(&deferred, "query_event") <= 0.15,
         "events {deferred} vs GPU {gpu_calls}"
     );
-    let (instant, n) = calls(&["--instant-frees", "--set", "page_upgrade_at=off"]);
+    let (instant, n) = calls(&[&["--instant-frees"][..], &before[..]].concat());
     assert_eq!(n, 0);
     assert!(off(&instant, "total") > 0.3, "instant frees: {instant}");
 }
@@ -912,18 +935,26 @@ fn windows_split_the_driver_calls_and_add_up() {
 /// memory instead of the side stream's freed pages: 0.93, what the GPU showed while its waits
 /// failed), and `cross_stream_wait` (the default) takes those pages behind a device-side wait:
 /// the utilization of the instant model comes back with a few dozen waits (the GPU made 96 in
-/// 300 steps).
+/// 300 steps). Utilization is read as the median over the trace and four jittered copies (the
+/// trace's own layout with waits is 0.974 with tails last, its copies 0.979-0.981).
 #[test]
 fn busy_side_streams_show_the_fsdp2_fences_and_cross_stream_wait_takes_their_pages() {
-    let run = |args: &[&str]| replay_row("fsdp2-2rank-rank0.pickle.gz", args);
-    let util = |r: &Value| r["utilization"].as_f64().unwrap();
+    let run = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--jitter", "4"]);
+        replay_row("fsdp2-2rank-rank0.pickle.gz", &all)
+    };
+    let util = |r: &Value| r["jitter"]["utilization"]["median"].as_f64().unwrap();
     let instant = run(&[]);
     let busy = run(&["--busy-side-streams", "--set", "cross_stream_wait=0"]);
     let waiting = run(&["--busy-side-streams"]);
     assert!(util(&instant) >= 0.98, "{instant}");
     assert!(util(&busy) <= 0.95, "busy side streams: {busy}");
     assert_eq!(busy["driver_calls"]["stream_wait"].as_u64(), Some(0));
-    assert!(util(&waiting) >= 0.98, "cross_stream_wait: {waiting}");
+    assert!(
+        util(&waiting) >= 0.975 && util(&instant) - util(&waiting) < 0.005,
+        "cross_stream_wait: {waiting}"
+    );
     let waits = waiting["driver_calls"]["stream_wait"].as_u64().unwrap();
     assert!(waits > 0 && waits < 200, "{waits} stream waits");
     // A single-stream trace is the same under both models.
@@ -1202,9 +1233,10 @@ fn misses_report_the_second_halfs_misses_without_changing_a_decision() {
 
 /// `--jitter N`: the trace and N copies with each allocation slightly larger are replayed;
 /// the first run is the trace's own (its figures are the row's), the spreads are the
-/// median and range of all N + 1, and each copy is a different job (the decode trace's own
-/// utilization is above all its copies': a layout that single decisions decide). A count
-/// out of 1-64 is refused by name.
+/// median and range of all N + 1, and each copy is a different job (the decode trace's
+/// copies replay at utilizations 0.02 apart: a layout that single decisions decide; with the
+/// stitch order before tails last the trace's own was above all its copies'). A count out of
+/// 1-64 is refused by name.
 #[test]
 fn jitter_replays_copies_and_reports_the_spread() {
     let row = replay_row("decode.pickle", &["--jitter", "4"]);
@@ -1229,8 +1261,8 @@ fn jitter_replays_copies_and_reports_the_spread() {
     assert_eq!(u["max"].as_f64(), Some(sorted[4]), "{j}");
     assert_eq!(u["median"].as_f64(), Some(sorted[2]), "{j}");
     assert!(
-        utils[1..].iter().all(|&c| c < utils[0]),
-        "the trace's own layout is a lucky one: {utils:?}"
+        sorted[4] - sorted[0] > 0.01,
+        "the copies are different jobs: {utils:?}"
     );
     // The same seeds give the same copies.
     let again = replay_row("decode.pickle", &["--jitter", "4"]);

@@ -352,8 +352,11 @@ fn strategies_choose_different_pieces<T: Target>(t: &T) -> CaseResult {
     // half used, leaving a 1 MiB free piece). Which free pieces remain shows where each
     // strategy took its pages from.
     let remaining = |strategy| -> Result<Vec<u64>, Fail> {
+        // The strategies alone: with tails last (the default), B and C, which follow live
+        // blocks, would give pages only after A.
         let cfg = Config {
             stitch_strategy: strategy,
+            stitch_tails_last: false,
             ..Config::default()
         };
         let a = setup2(t, 1 << 30, cfg)?;
