@@ -187,6 +187,17 @@ def calls_cell(r: Optional[Dict[str, Any]], vmm_fmt: str = " ({:.0f} VMM)") -> s
     return cell
 
 
+def quiet_steps_note(r: Dict[str, Any]) -> str:
+    """In how many measured steps a record's allocator mapped memory, and the mean: a median
+    of 0 hides steps of thousands ("VMM calls in 10 of 60 steps, mean 339 a step"). Empty
+    where the record has no per-step VMM calls (the baselines)."""
+    v = r.get("vmm_calls_per_step")
+    if not v:
+        return ""
+    busy = sum(1 for c in v if c > 0)
+    return f"VMM calls in {busy} of {len(v)} steps, mean {sum(v) / len(v):.0f} a step"
+
+
 def fsize(b: int) -> str:
     for unit, n in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if b >= n and b % n == 0:
@@ -367,6 +378,8 @@ def workload_lines(res: Results) -> List[str]:
                 notes.append(f"backend was {r.get('backend')}")
             if r is not None and r.get("median_allocator_ms_per_step") is not None:
                 notes.append(f"allocator {r['median_allocator_ms_per_step']:.2f} ms a step (median, host_timing)")
+            if r is not None and quiet_steps_note(r):
+                notes.append(quiet_steps_note(r))
             if r is not None and isinstance(r.get("gmlake"), dict) and r["gmlake"].get("stitches") is not None:
                 notes.append(f"{r['gmlake']['stitches']} stitches, {r['gmlake'].get('pages_stitched', '?')} pages, "
                              f"{r['gmlake'].get('stitch_reuses', 0)} reuses")

@@ -230,6 +230,11 @@ def test_driver_calls_per_step_and_the_second_native_run_are_reported():
     md = "\n".join(report.workload_lines(res))
     assert "driver calls per step" in md and "native2" in md
     assert "| 0 (0 VMM) |" in md, md
+    # The median hides the steps that mapped: they are counted.
+    assert "VMM calls in 1 of 3 steps, mean 0 a step" in md, md
+    assert report.quiet_steps_note({"vmm_calls_per_step": [0, 0, 250, 2025]}) == \
+        "VMM calls in 2 of 4 steps, mean 569 a step"
+    assert report.quiet_steps_note({"median_step_s": 0.1}) == ""
     # A record from before the VMM split (or a baseline) shows what it has.
     assert report.calls_cell({"median_driver_calls_per_step": 12}) == "12"
     assert report.calls_cell(None) == "—"
