@@ -13,7 +13,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 NAME = "concat_cache"
-DEFAULTS = {"steps": 30, "warmup": 5, "batch": 16, "cap_gib": 1.0, "search_steps": 2}
+# 60 measured steps: the job's largest shapes come late (at seed 0 its peak active memory
+# rises in steps 51-59), and a shorter run can look settled where this one does not
+# (docs/benchmarks.md, "Misses that walk nothing, tails last by default").
+DEFAULTS = {"steps": 60, "warmup": 5, "batch": 16, "cap_gib": 1.0, "search_steps": 2}
 
 
 def add_args(p):
