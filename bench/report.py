@@ -378,8 +378,9 @@ def workload_lines(res: Results) -> List[str]:
                 notes.append(f"backend was {r.get('backend')}")
             if r is not None and r.get("median_allocator_ms_per_step") is not None:
                 notes.append(f"allocator {r['median_allocator_ms_per_step']:.2f} ms a step (median, host_timing)")
-            if r is not None and quiet_steps_note(r):
-                notes.append(quiet_steps_note(r))
+            quiet = quiet_steps_note(r) if r is not None else ""
+            if quiet:
+                notes.append(quiet)
             if r is not None and isinstance(r.get("gmlake"), dict) and r["gmlake"].get("stitches") is not None:
                 notes.append(f"{r['gmlake']['stitches']} stitches, {r['gmlake'].get('pages_stitched', '?')} pages, "
                              f"{r['gmlake'].get('stitch_reuses', 0)} reuses")

@@ -76,7 +76,7 @@ impl Distribution {
 
     fn line(&self) -> String {
         format!(
-            "p50 {} ns, p90 {}, p99 {}, mean {:.0}, max {} ({} calls, {:.1} ms; {} of 1 µs or \
+            "p50 {} ns, p90 {}, p99 {}, mean {:.0}, max {} ({} calls, {:.1} ms; {} of {} µs or \
              more, {:.1} ms)",
             self.p50_ns,
             self.p90_ns,
@@ -86,6 +86,7 @@ impl Distribution {
             self.count,
             self.total_ms,
             self.slow_count,
+            SLOW_NS / 1000,
             self.slow_ms
         )
     }

@@ -509,10 +509,14 @@ fn trace_only_reports_the_traces_own_figures() {
     assert!((native - 0.728).abs() < 0.001, "{native}");
 }
 
+/// `--set KEY=VALUE` for each of `set`.
+fn set_args<'a>(set: &[&'a str]) -> Vec<&'a str> {
+    set.iter().flat_map(|s| ["--set", s]).collect()
+}
+
 /// Driver calls of the second half of a replay, and the row.
 fn second_half(name: &str, set: &[&str]) -> (u64, Value) {
-    let args: Vec<&str> = set.iter().flat_map(|s| ["--set", s]).collect();
-    let row = replay_row(name, &args);
+    let row = replay_row(name, &set_args(set));
     let n = row["driver_calls_second_half"]
         .as_u64()
         .expect("second-half calls");
@@ -528,8 +532,8 @@ fn steady_state_driver_calls_are_reported_and_kept_mappings_cut_them() {
     // with tails last, its copies 26-170 against 749-7,989).
     let (with, row) = second_half("gpt-ckpt.pickle", &[]);
     let median = |set: &[&str]| {
-        let args: Vec<&str> = set.iter().flat_map(|s| ["--set", s]).collect();
-        jittered_row("gpt-ckpt.pickle", &args, 3)["jitter"]["driver_calls_second_half"]["median"]
+        jittered_row("gpt-ckpt.pickle", &set_args(set), 3)["jitter"]["driver_calls_second_half"]
+            ["median"]
             .as_f64()
             .unwrap()
     };
