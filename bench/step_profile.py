@@ -1,5 +1,7 @@
 """Where a workload's step time goes: per step, the wall time, the GPU's kernel time (CUPTI,
-through torch.profiler) and the allocations made, under one allocator. Kernel time equal
+through torch.profiler) and the allocations made, under one allocator (with gmlake and
+`--gmlake-conf host_timing:1`, also gmlake's own time in allocations and frees a timed step,
+`median_allocator_ms`). Kernel time equal
 across allocators means the GPU does the same work; a wall time several times the kernel time
 means the step is host-bound, and then the allocator's share is its time per operation
 (bench/latency.cpp --ops) times the operations a step, not the difference of step times.
@@ -50,7 +52,12 @@ def main(argv) -> int:
     def allocations() -> int:
         return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
 
-    walls, allocs, kernel = [], [], []
+    def allocator_ns() -> int | None:
+        # gmlake's own time in allocations and frees so far, with `--gmlake-conf host_timing:1`.
+        calls = common.driver_calls_by_kind()
+        return None if calls is None else calls.get(common.HOST_NS)
+
+    walls, allocs, kernel, alloc_ms = [], [], [], []
     for i, shape in enumerate(shapes):
         torch.cuda.synchronize()
         measured = i >= args.warmup
@@ -59,7 +66,7 @@ def main(argv) -> int:
                                      write_trace=False)
             kernel.append(p["device_ms"])
             continue
-        a0 = allocations()
+        a0, n0 = allocations(), allocator_ns()
         t0 = time.perf_counter()
         wl.step(args.batch, shape)
         torch.cuda.synchronize()
@@ -67,6 +74,9 @@ def main(argv) -> int:
         if measured:
             walls.append(dt * 1e3)
             allocs.append(allocations() - a0)
+            n1 = allocator_ns()
+            if n0 is not None and n1 is not None:
+                alloc_ms.append((n1 - n0) / 1e6)
     st = torch.cuda.memory_stats()
     rec = {
         "workload": mod.NAME, "allocator": name, "conf": args.gmlake_conf,
@@ -74,6 +84,7 @@ def main(argv) -> int:
         "wall_ms": [round(w, 1) for w in walls],
         "median_kernel_ms": statistics.median(kernel) if kernel else None,
         "median_allocations": statistics.median(allocs) if allocs else None,
+        "median_allocator_ms": statistics.median(alloc_ms) if alloc_ms else None,
         "utilization": st.get("active_bytes.all.peak", 0) / max(1, st.get("reserved_bytes.all.peak", 0)),
     }
     print(json.dumps(rec), flush=True)

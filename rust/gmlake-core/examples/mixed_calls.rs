@@ -10,6 +10,10 @@
 //! about 370 live blocks is bench/workloads/stress.py's pattern (1-512 MiB, 30 GiB live).
 //! `MIXED_CAPACITY` (bytes) sets the simulated device's size (default 16 TiB).
 //!
+//! `MIXED_PROGRESS=k` prints the driver calls so far (by kind), the page-size upgrades and the
+//! memory held k times along the run, evenly spaced: where a long run's calls come from (the
+//! upgrade's drain, alias evictions).
+//!
 //! `MIXED_STATS_EVERY=k` reads the statistics every k pairs during the run (their cost is in
 //! the host ns/op); `MIXED_STATS=N` times N reads, each after one more pair, at the end.
 //!
@@ -107,7 +111,28 @@ fn main() {
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
         .filter(|&k| k > 0);
+    let progress = std::env::var("MIXED_PROGRESS")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .filter(|&k| k > 0)
+        .map(|k| (pairs.len() / k).max(1));
     for (i, &(j, s)) in pairs.iter().enumerate() {
+        if progress.is_some_and(|every| i % every == 0) {
+            let (c, st) = (a.device().calls(), a.stats());
+            eprintln!(
+                "pair {i}: calls {} (map {}, unmap {}, create {}, release {}), upgrades {}, held {} GiB, alias evictions {}, stitches {}, reuses {}",
+                c.total(),
+                c.map,
+                c.unmap,
+                c.create_physical,
+                c.release_physical,
+                st.page_upgrades,
+                a.reserved_bytes() >> 30,
+                st.alias_evictions,
+                st.stitches,
+                st.stitch_reuses
+            );
+        }
         if every.is_some_and(|k| i % k == 0) {
             std::hint::black_box(a.stats());
         }
@@ -132,8 +157,9 @@ fn main() {
     let st = a.stats();
     stats_cost(&a, &mut live, &pairs);
     let (_, busy_ms) = gmlake_core::cost::estimate_ms(&gmlake_core::cost::difference(&c1, &c0));
+    let (_, all_ms) = gmlake_core::cost::estimate_ms(&c1);
     println!(
-        "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0}, calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}, core host ns/op {host_ns:.0} (simulated device, utilization sampled every step)",
+        "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0} ({all_ms:.0} with the warm-up), calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}, upgrades {} (page {} MiB), core host ns/op {host_ns:.0} (simulated device, utilization sampled every step)",
         c1.total() - c0.total(),
         c1.map - c0.map,
         c1.unmap - c0.unmap,
@@ -146,6 +172,8 @@ fn main() {
         st.stitches,
         st.stitch_reuses,
         st.alias_evictions,
+        st.page_upgrades,
+        a.page_size() >> 20,
     );
     a.verify().unwrap();
 }
