@@ -697,6 +697,9 @@ def summary(res: Results) -> str:
                            f"{prob or 'no record'}")
                 continue
             note = prob
+            if r is not None and quiet_steps_note(r):
+                # A median of 0 calls a step says nothing of the steps that mapped.
+                note += " " + quiet_steps_note(r)
             if r is not None and not r.get("ok"):
                 note += " run failed: " + str(r.get("error", ""))[:60]
             if mb is not None and mb.get("error"):
