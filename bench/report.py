@@ -696,10 +696,9 @@ def summary(res: Results) -> str:
                 out.append(f"{w:<14}{a:<12}{'—':>10}{'—':>10}{'—':>7}{'—':>9}{'—':>7}{'—':>9}{'—':>9}  "
                            f"{prob or 'no record'}")
                 continue
-            note = prob
-            if r is not None and quiet_steps_note(r):
-                # A median of 0 calls a step says nothing of the steps that mapped.
-                note += " " + quiet_steps_note(r)
+            # A median of 0 calls a step says nothing of the steps that mapped: count them.
+            quiet = quiet_steps_note(r) if r is not None else ""
+            note = f"{prob} {quiet}" if quiet else prob
             if r is not None and not r.get("ok"):
                 note += " run failed: " + str(r.get("error", ""))[:60]
             if mb is not None and mb.get("error"):

@@ -10,9 +10,11 @@
 //! about 370 live blocks is bench/workloads/stress.py's pattern (1-512 MiB, 30 GiB live).
 //! `MIXED_CAPACITY` (bytes) sets the simulated device's size (default 16 TiB).
 //!
-//! `MIXED_PROGRESS=k` prints the driver calls so far (by kind), the page-size upgrades and the
-//! memory held k times along the run, evenly spaced: where a long run's calls come from (the
-//! upgrade's drain, alias evictions).
+//! `MIXED_PROGRESS=k` prints, k times along the pairs (evenly spaced), the driver calls made so
+//! far (fill included; maps, unmaps, creations and releases among them), the page-size upgrades,
+//! the memory held and the alias evictions: where a long run's calls come from (the upgrade's
+//! drain, alias evictions). The closing line's driver estimate is given for the timed part and
+//! from the start.
 //!
 //! `MIXED_STATS_EVERY=k` reads the statistics every k pairs during the run (their cost is in
 //! the host ns/op); `MIXED_STATS=N` times N reads, each after one more pair, at the end.
@@ -159,7 +161,7 @@ fn main() {
     let (_, busy_ms) = gmlake_core::cost::estimate_ms(&gmlake_core::cost::difference(&c1, &c0));
     let (_, all_ms) = gmlake_core::cost::estimate_ms(&c1);
     println!(
-        "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0} ({all_ms:.0} with the warm-up), calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}, upgrades {} (page {} MiB), core host ns/op {host_ns:.0} (simulated device, utilization sampled every step)",
+        "mixed live={live_n} ops={ops}: est. busy ms {busy_ms:.0} ({all_ms:.0} from the start), calls {} (map {}, unmap {}, create {}, release {}, events {}), peak util {:.4}, min util {:.4}, stitches {}, reuses {}, evictions {}, upgrades {} (page {} MiB), core host ns/op {host_ns:.0} (simulated device, utilization sampled every step)",
         c1.total() - c0.total(),
         c1.map - c0.map,
         c1.unmap - c0.unmap,
