@@ -22,7 +22,7 @@
 //! Consequently every maximal run of mapped blocks starts and ends on page boundaries.
 
 use crate::aliasmap::AliasMap;
-use crate::blockmap::{BlockMap, BlockWalk};
+use crate::blockmap::BlockMap;
 use crate::deferred::DeferredSet;
 use crate::device::PhysHandle;
 use crate::fitindex::FitIndex;
@@ -120,54 +120,33 @@ struct QuickList {
 /// Walks an arena's regions that hold lent blocks (`Arena::lent_regions_from`).
 pub(crate) struct LentRegions<'a> {
     arena: &'a Arena,
-    blocks: std::iter::Peekable<BlockWalk<'a>>,
+    /// The next region is that of the first lent block at or after this address: the end of
+    /// the region returned last.
+    from: u64,
 }
-
-/// Blocks that cannot be in a region (live, unmapped, retired) a walk steps over one by one
-/// before it jumps to the next lent block through the arena's index. The scan's bound counts
-/// only the blocks of regions: without the jump, a miss in an arena of many live blocks and
-/// few lent ones would step over all of them.
-const REGION_WALK_SKIP: usize = 16;
 
 impl LentRegions<'_> {
     /// The next region, as (addr, block) in address order, into `out` (cleared first);
     /// returns the address of its first lent block, or `None` when no region is left.
     pub fn next_into(&mut self, out: &mut Vec<(u64, Block)>) -> Option<u64> {
-        loop {
-            out.clear();
-            let mut skipped = 0;
-            let (a, b) = loop {
-                let (&a, b) = self.blocks.next()?;
-                if b.reusable() {
-                    break (a, *b);
-                }
-                skipped += 1;
-                if skipped == REGION_WALK_SKIP {
-                    // `a` is in no region: the next region that holds a lent block starts
-                    // after it.
-                    let start = self.arena.lent_region_start(a);
-                    self.blocks = self.arena.blocks.walk_from(start).peekable();
-                    skipped = 0;
-                }
-            };
-            let mut first_lent = matches!(b.state, BlockState::Lent { .. }).then_some(a);
-            let mut end = a + b.size;
-            out.push((a, b));
-            while let Some((&na, nb)) = self.blocks.peek() {
-                if na != end || nb.chunk != b.chunk || !nb.reusable() {
-                    break;
-                }
-                if first_lent.is_none() && matches!(nb.state, BlockState::Lent { .. }) {
-                    first_lent = Some(na);
-                }
-                out.push((na, **nb));
-                end = na + nb.size;
-                self.blocks.next();
+        out.clear();
+        let &l = self.arena.lent_addrs.range(self.from..).next()?;
+        let (start, chunk) = self.arena.region_start(l);
+        let mut first_lent = None;
+        let mut at = start;
+        // Blocks tile a chunk: the next block starts where one ends, found by hash.
+        while let Some(b) = self.arena.blocks.get(&at) {
+            if b.chunk != chunk || !b.reusable() {
+                break;
             }
-            if first_lent.is_some() {
-                return first_lent;
+            if first_lent.is_none() && matches!(b.state, BlockState::Lent { .. }) {
+                first_lent = Some(at);
             }
+            out.push((at, *b));
+            at += b.size;
         }
+        self.from = at;
+        first_lent
     }
 }
 
@@ -1136,25 +1115,17 @@ impl Arena {
 
     /// The regions (maximal runs of adjacent free mapped and lent blocks of one chunk) that
     /// hold a lent block, in address order, from the region of the first lent block at or
-    /// after `from`. One pass over the blocks: a scan that jumped from lent block to lent
-    /// block paid three tree descents a region. Runs of blocks outside any region are jumped
-    /// over through the lent index (`REGION_WALK_SKIP`), so a walk costs O(log n) a region.
+    /// after `from`. Each region is found from its first lent block at or after the end of
+    /// the region before (one query of the ordered lent starts), then walked by hash from its
+    /// start, so the blocks between regions are never visited: O(log n) a region, and the
+    /// region's blocks.
     pub fn lent_regions_from(&self, from: u64) -> LentRegions<'_> {
-        LentRegions {
-            arena: self,
-            blocks: self
-                .blocks
-                .walk_from(self.lent_region_start(from))
-                .peekable(),
-        }
+        LentRegions { arena: self, from }
     }
 
-    /// Where the region of the first lent block at or after `from` starts (`u64::MAX` when
-    /// there is no such block).
-    fn lent_region_start(&self, from: u64) -> u64 {
-        let Some(&l) = self.lent_addrs.range(from..).next() else {
-            return u64::MAX;
-        };
+    /// Where the region of lent block `l` starts, and its chunk: the free mapped and lent
+    /// blocks right before it, by hash.
+    fn region_start(&self, l: u64) -> (u64, u32) {
         let mut start = l;
         let chunk = self.blocks.get(&l).map_or(0, |b| b.chunk);
         while let Some((pa, p)) = self.blocks.ending_at(start) {
@@ -1163,7 +1134,7 @@ impl Arena {
             }
             start = pa;
         }
-        start
+        (start, chunk)
     }
 
     /// Every lent alias: made unmapped free space (the caller unmaps them before releasing
@@ -1213,7 +1184,7 @@ impl Arena {
     /// Applies the deferred changes of the index of blocks by interior pages, which the
     /// queries below read (a miss that stitches, memory returned). The ordered block starts
     /// are settled by the queries that search them (`BlockMap::settle`); the reuse scan's
-    /// walks step from block to block by hash and do not.
+    /// regions are found through the lent starts and walked by hash, and do not.
     pub fn settle(&mut self) {
         self.stealable.settle();
     }

@@ -20,9 +20,9 @@
 //! or once it holds `STARTS_LOG_CAP` changes. A reader that cannot settle (`&self`) gets the
 //! same answers from the set as last settled merged with the logged inserts (a settled start
 //! absent from `blocks` was removed since): exactly the order of a set kept up to date, at a
-//! scan of the log more a query. Walks in address order from a block (`walk_from`, the reuse
-//! scan's) need no ordered set at all: blocks tile a chunk, so the next block starts where
-//! one ends.
+//! scan of the log more a query. Walks in address order from a block (the reuse scan's
+//! regions, `Arena::lent_regions_from`) need no ordered set at all: blocks tile a chunk, so
+//! the next block starts where one ends (`get` at the end).
 //!
 //! Invariant (between the arena's operations; within one, a block written may end where a
 //! block about to be removed ends): `starts` with its log applied and the keys of `blocks`
@@ -64,29 +64,6 @@ pub(crate) struct BlockRange<'a> {
     /// `blocks`) with the logged inserts.
     merge: Option<Merge>,
     blocks: &'a FxHashMap<u64, Block>,
-}
-
-/// Blocks in address order from a block's start (`BlockMap::walk_from`): each found from the
-/// one before by its end, since blocks tile a chunk, with an ordered query only where no
-/// block starts at an end (past a chunk's end). One hash probe a block, and no need of the
-/// ordered starts being settled: the reuse scan walks this way.
-pub(crate) struct BlockWalk<'a> {
-    map: &'a BlockMap,
-    next: Option<(&'a u64, &'a Block)>,
-}
-
-impl<'a> Iterator for BlockWalk<'a> {
-    type Item = (&'a u64, &'a Block);
-
-    fn next(&mut self) -> Option<Self::Item> {
-        let (a, b) = self.next?;
-        let end = a + b.size;
-        self.next = match self.map.blocks.get_key_value(&end) {
-            Some(n) => Some(n),
-            None => self.map.range(end..).next(),
-        };
-        Some((a, b))
-    }
 }
 
 /// The state of a merged walk, consumed from both ends.
@@ -284,15 +261,6 @@ impl BlockMap {
         Some((a, &self.blocks[&a]))
     }
 
-    /// The blocks from the one starting at `start` on, in address order (nothing if no block
-    /// starts there), as `range(start..)` gives them.
-    pub fn walk_from(&self, start: u64) -> BlockWalk<'_> {
-        BlockWalk {
-            map: self,
-            next: self.blocks.get_key_value(&start),
-        }
-    }
-
     /// Applies the logged changes of the ordered starts: before searches from any address
     /// that a `&mut` caller makes (cheaper settled than merged).
     pub fn settle(&mut self) {
@@ -405,7 +373,7 @@ mod tests {
                 const END: u64 = 64 * G;
                 let mut m = BlockMap::default();
                 let mut model: BTreeMap<u64, u64> = BTreeMap::new();
-                // A second run of blocks after a gap: walks cross it by an ordered query.
+                // A second run of blocks after a gap: ordered queries cross it.
                 for (a, size) in [(0, END), (2 * END, END)] {
                     m.insert(a, block(size));
                     model.insert(a, size);
@@ -459,10 +427,6 @@ mod tests {
                         "last_at_or_before({})",
                         x
                     );
-                    let start = model.range(..=x).next_back().map_or(0, |(&k, _)| k);
-                    let walked: Vec<u64> = m.walk_from(start).map(|(&k, _)| k).collect();
-                    let want: Vec<u64> = model.range(start..).map(|(&k, _)| k).collect();
-                    prop_assert_eq!(&walked, &want, "walk_from({})", start);
                     prop_assert!(m.check().is_ok());
                 }
                 Ok(())
