@@ -145,6 +145,9 @@ impl LentRegions<'_> {
             out.push((at, *b));
             at += b.size;
         }
+        // `l` is in the region (I5: every lent start is a lent block), so the scan's end is
+        // never taken for a region that ended early.
+        debug_assert!(first_lent.is_some(), "lent block {l:#x} outside its region");
         self.from = at;
         first_lent
     }
