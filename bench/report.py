@@ -187,11 +187,11 @@ def calls_cell(r: Optional[Dict[str, Any]], vmm_fmt: str = " ({:.0f} VMM)") -> s
     return cell
 
 
-def quiet_steps_note(r: Dict[str, Any]) -> str:
+def quiet_steps_note(r: Optional[Dict[str, Any]]) -> str:
     """In how many measured steps a record's allocator mapped memory, and the mean: a median
     of 0 hides steps of thousands ("VMM calls in 10 of 60 steps, mean 339 a step"). Empty
-    where the record has no per-step VMM calls (the baselines)."""
-    v = r.get("vmm_calls_per_step")
+    where there is no record or it has no per-step VMM calls (the baselines)."""
+    v = (r or {}).get("vmm_calls_per_step")
     if not v:
         return ""
     busy = sum(1 for c in v if c > 0)
@@ -378,7 +378,7 @@ def workload_lines(res: Results) -> List[str]:
                 notes.append(f"backend was {r.get('backend')}")
             if r is not None and r.get("median_allocator_ms_per_step") is not None:
                 notes.append(f"allocator {r['median_allocator_ms_per_step']:.2f} ms a step (median, host_timing)")
-            quiet = quiet_steps_note(r) if r is not None else ""
+            quiet = quiet_steps_note(r)
             if quiet:
                 notes.append(quiet)
             if r is not None and isinstance(r.get("gmlake"), dict) and r["gmlake"].get("stitches") is not None:
@@ -697,7 +697,7 @@ def summary(res: Results) -> str:
                            f"{prob or 'no record'}")
                 continue
             # A median of 0 calls a step says nothing of the steps that mapped: count them.
-            quiet = quiet_steps_note(r) if r is not None else ""
+            quiet = quiet_steps_note(r)
             note = f"{prob} {quiet}" if quiet else prob
             if r is not None and not r.get("ok"):
                 note += " run failed: " + str(r.get("error", ""))[:60]

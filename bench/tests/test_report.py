@@ -237,6 +237,7 @@ def test_driver_calls_per_step_and_the_second_native_run_are_reported():
     assert report.quiet_steps_note({"vmm_calls_per_step": [0, 0, 250, 2025]}) == \
         "VMM calls in 2 of 4 steps, mean 569 a step"
     assert report.quiet_steps_note({"median_step_s": 0.1}) == ""
+    assert report.quiet_steps_note(None) == ""
     # A record from before the VMM split (or a baseline) shows what it has.
     assert report.calls_cell({"median_driver_calls_per_step": 12}) == "12"
     assert report.calls_cell(None) == "—"

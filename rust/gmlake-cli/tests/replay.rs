@@ -720,7 +720,7 @@ fn tails_last_settles_the_concatenation_jobs_second_half() {
             .collect::<Vec<u64>>()
     };
     let last = calls(&[]);
-    let first = calls(&["--set", "stitch_tails_last=0"]);
+    let first = calls(&set_args(&["stitch_tails_last=0"]));
     assert!(last.iter().all(|&c| c <= 20), "tails last: {last:?}");
     assert!(first.iter().all(|&c| c >= 100), "tails first: {first:?}");
 }
@@ -774,17 +774,12 @@ fn reuse_fenced_blocks_leaves_the_zero3_n_steady_state_without_vmm_calls() {
             .collect()
     };
     for model in [&[][..], &["--busy-side-streams"][..]] {
-        let on: Vec<&str> = model
-            .iter()
-            .copied()
-            .chain(["--set", "reuse_fenced_blocks=1"])
-            .collect();
-        let tails_first: Vec<&str> = model
-            .iter()
-            .copied()
-            .chain(["--set", "stitch_tails_last=0"])
-            .collect();
-        let (off, on, first) = (vmm(model), vmm(&on), vmm(&tails_first));
+        let with = |setting: &'static str| [model, &set_args(&[setting])[..]].concat();
+        let (off, on, first) = (
+            vmm(model),
+            vmm(&with("reuse_fenced_blocks=1")),
+            vmm(&with("stitch_tails_last=0")),
+        );
         assert_eq!(&on[5..], &[0, 0], "with the option, {model:?}: {on:?}");
         assert!(off[6] > 0, "at the defaults, {model:?}: {off:?}");
         assert!(
@@ -821,12 +816,7 @@ fn replay_predicts_the_gpu_driver_calls_of_the_zero3_job() {
     };
     // The GPU figures are of 2 MiB pages throughout and of the stitch order before tails
     // last (before those defaults).
-    let before = [
-        "--set",
-        "page_upgrade_at=off",
-        "--set",
-        "stitch_tails_last=0",
-    ];
+    let before = set_args(&["page_upgrade_at=off", "stitch_tails_last=0"]);
     let (deferred, n) = calls(&before);
     assert!(n > 5000, "{n} waiting frees replayed");
     assert!(
