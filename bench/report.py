@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from collections import OrderedDict
 from typing import Any, Dict, Iterable, List, Optional, Tuple
@@ -221,6 +222,40 @@ def step_ratios(res: Results, workload: str) -> Dict[str, Optional[float]]:
     return {a: (m / best if (m and best) else None) for a, m in med.items()}
 
 
+def paired_step_ratios(res: Results, workload: str) -> Dict[str, Optional[float]]:
+    """Per allocator, the median over steps of each step's time over the faster baseline's
+    (native's or expandable segments') time for the same step. The workloads draw seeded
+    shapes, so step i is the same work in every run, and steps of very different sizes (moe's
+    token counts, conv's image sizes) stop weighing on which step lands at a run's median.
+    None where the run or both baselines have no step times, or their steps differ (in
+    number, or in the shapes recorded)."""
+    runs = {}
+    for a in res.allocators():
+        r = res.one("workload", workload=workload, allocator=a)
+        if r and r.get("ok") and r.get("step_times_s"):
+            runs[a] = r
+    out: Dict[str, Optional[float]] = {a: None for a in res.allocators()}
+    base = [runs[a] for a in ("native", "expandable") if a in runs]
+    if not base:
+        return out
+    ref = base[0]
+    n = len(ref["step_times_s"])
+
+    def same_steps(r: Dict[str, Any]) -> bool:
+        shapes, ref_shapes = r.get("shapes"), ref.get("shapes")
+        return len(r["step_times_s"]) == n and (shapes is None or ref_shapes is None or shapes == ref_shapes)
+
+    if not all(same_steps(b) for b in base):
+        return out
+    best = [min(b["step_times_s"][i] for b in base) for i in range(n)]
+    if any(not x or x <= 0 for x in best):
+        return out
+    for a, r in runs.items():
+        if same_steps(r):
+            out[a] = statistics.median(r["step_times_s"][i] / best[i] for i in range(n))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Sections
 
@@ -357,6 +392,7 @@ def workload_lines(res: Results) -> List[str]:
                          "trial, the last at the largest shapes; doubling, then bisection.")
         lines.append("")
         ratios = step_ratios(res, w)
+        paired = paired_step_ratios(res, w)
         rows = []
         for a in allocs:
             r = res.one("workload", workload=w, allocator=a)
@@ -404,14 +440,14 @@ def workload_lines(res: Results) -> List[str]:
                 gib(r.get("peak_reserved_bytes")) if r else "—",
                 fnum(r.get("utilization")) if r else "—",
                 fnum(r.get("median_step_s") * 1e3, "{:.1f} ms") if ok and r.get("median_step_s") else "—",
-                fnum(ratios.get(a), "{:.3f}×"),
+                fnum(ratios.get(a), "{:.3f}×") + (f" (paired {paired[a]:.3f}×)" if paired.get(a) else ""),
                 calls_cell(r),
                 mbs,
                 "; ".join(notes),
             ])
         unit = UNITS.get(w, "")
         lines += table(["allocator", "peak active", "peak reserved", "utilization", "median step",
-                        "step vs best of native/expandable",
+                        "step vs best of native/expandable (paired: median of step-by-step ratios)",
                         "driver calls per step (median, after warm-up; of them VMM: map, unmap, access, create, release)",
                         f"largest batch ({unit})" if unit else "largest batch",
                         "notes"], rows)
@@ -688,10 +724,13 @@ def summary(res: Results) -> str:
                f"{'step ms':>9}{'ratio':>7}{'calls/vmm':>10}{'maxbatch':>9}  notes")
     for w in res.workloads():
         ratios = step_ratios(res, w)
+        paired = paired_step_ratios(res, w)
         for a in res.allocators():
             r = res.one("workload", workload=w, allocator=a)
             mb = res.one("max_batch", workload=w, allocator=a)
             prob = res.problem(w, a, "workload") or ""
+            if paired.get(a):
+                prob = f"{prob} paired {paired[a]:.3f}".strip()
             if r is None and mb is None:
                 out.append(f"{w:<14}{a:<12}{'—':>10}{'—':>10}{'—':>7}{'—':>9}{'—':>7}{'—':>9}{'—':>9}  "
                            f"{prob or 'no record'}")

@@ -770,3 +770,37 @@ def test_zero3_table_pools_steps_and_merges_runs(tmp_path):
     with contextlib.redirect_stdout(buf):
         assert table.main(str(p1), str(p2)) == 0
     assert len([x for x in buf.getvalue().splitlines() if x.startswith("| LR | ")]) == 5
+
+
+def test_paired_step_ratios_compare_each_step_with_the_same_step():
+    """Step i is the same seeded work in every run: the paired ratio is the median of the
+    step-by-step ratios to the faster baseline, where a run's median step would compare
+    different steps (here gmlake's median step is 1.49x the faster baseline's median step,
+    while all its steps but one are 1.1x the faster baseline's same step)."""
+    shapes = [{"tokens": t} for t in (100, 400, 200, 800, 300)]
+    native = [0.10, 0.40, 0.20, 0.80, 0.30]
+    expandable = [0.12, 0.38, 0.22, 0.84, 0.28]
+    best = [min(a, b) for a, b in zip(native, expandable)]
+    gmlake = [1.1 * x for x in best]
+    gmlake[2] = 0.45  # one step (of the median's size) much slower
+    recs = [{"kind": "env", "gpu": "FAKE", "driver": "1", "torch": "2.11.0", "date": "today"}]
+    for a, st in (("native", native), ("expandable", expandable), ("gmlake", gmlake),
+                  ("native2", native[:4])):
+        recs.append({"kind": "workload", "workload": "moe", "allocator": a, "ok": True, "steps": len(st),
+                     "warmup": 1, "median_step_s": sorted(st)[len(st) // 2], "step_times_s": st,
+                     "shapes": shapes[:len(st)], "peak_active_bytes": GiB, "peak_reserved_bytes": GiB,
+                     "utilization": 1.0})
+    res = report.Results(recs)
+    paired = report.paired_step_ratios(res, "moe")
+    assert abs(paired["gmlake"] - 1.1) < 1e-9, paired
+    assert abs(paired["native"] - 1.0) < 1e-9 and paired["expandable"] >= 1.0, paired
+    # A run of other steps (fewer here) is not paired; the plain ratio still shows.
+    assert paired["native2"] is None
+    assert abs(report.step_ratios(res, "moe")["gmlake"] - sorted(gmlake)[2] / 0.28) < 1e-9
+    line = next(x for x in report.summary(res).splitlines() if x.startswith("moe") and " gmlake " in x)
+    assert line.endswith("paired 1.100"), line
+    md = "\n".join(report.workload_lines(res))
+    assert "(paired 1.100×)" in md, md
+    # Other shapes in a baseline: nothing is paired.
+    recs[2] = dict(recs[2], shapes=[{"tokens": 1}] * 5)
+    assert all(v is None for v in report.paired_step_ratios(report.Results(recs), "moe").values())
