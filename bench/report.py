@@ -248,7 +248,7 @@ def paired_step_ratios(res: Results, workload: str) -> Dict[str, Optional[float]
     if not all(same_steps(b) for b in base):
         return out
     best = [min(b["step_times_s"][i] for b in base) for i in range(n)]
-    if any(not x or x <= 0 for x in best):
+    if any(x <= 0 for x in best):
         return out
     for a, r in runs.items():
         if same_steps(r):
@@ -729,15 +729,14 @@ def summary(res: Results) -> str:
             r = res.one("workload", workload=w, allocator=a)
             mb = res.one("max_batch", workload=w, allocator=a)
             prob = res.problem(w, a, "workload") or ""
-            if paired.get(a):
-                prob = f"{prob} paired {paired[a]:.3f}".strip()
             if r is None and mb is None:
                 out.append(f"{w:<14}{a:<12}{'—':>10}{'—':>10}{'—':>7}{'—':>9}{'—':>7}{'—':>9}{'—':>9}  "
                            f"{prob or 'no record'}")
                 continue
-            # A median of 0 calls a step says nothing of the steps that mapped: count them.
-            quiet = quiet_steps_note(r)
-            note = f"{prob} {quiet}" if quiet else prob
+            # The paired ratio, then the steps that mapped (a median of 0 calls a step says
+            # nothing of them).
+            pair = f"paired {paired[a]:.3f}" if paired.get(a) else ""
+            note = " ".join(x for x in (prob, pair, quiet_steps_note(r)) if x)
             if r is not None and not r.get("ok"):
                 note += " run failed: " + str(r.get("error", ""))[:60]
             if mb is not None and mb.get("error"):
