@@ -107,7 +107,9 @@ def _key(r: Dict[str, Any]) -> Tuple:
         return (k, r.get("allocator"), r.get("test"), r.get("size"))
     if k == "stitch":
         return (k, r.get("allocator"), r.get("test"), r.get("pages_per_block"), r.get("blocks"), r.get("round"))
-    if k in ("workload", "max_batch"):
+    if k == "workload":
+        return (k, r.get("workload"), r.get("allocator"), r.get("round"))
+    if k == "max_batch":
         return (k, r.get("workload"), r.get("allocator"))
     if k == "env":
         return (k,)
@@ -115,7 +117,8 @@ def _key(r: Dict[str, Any]) -> Tuple:
 
 
 class Results:
-    """The last record of each kind / workload / allocator / test (later runs win)."""
+    """The last record of each kind / workload / allocator / test (later runs win); a
+    workload's runs are kept round by round (`BENCH_ROUNDS`, the records' `round`)."""
 
     def __init__(self, recs: List[Dict[str, Any]]):
         d: "OrderedDict[Tuple, Dict[str, Any]]" = OrderedDict()
@@ -137,6 +140,18 @@ class Results:
     def one(self, kind: str, **match) -> Optional[Dict[str, Any]]:
         rs = self.of(kind, **match)
         return rs[-1] if rs else None
+
+    def rounds(self, workload: str) -> List[Optional[int]]:
+        """The rounds a workload's runs were made in, in order: [None] without rounds."""
+        seen = {r.get("round") for r in self.of("workload", workload=workload)}
+        return sorted(x for x in seen if x is not None) or [None]
+
+    def run(self, workload: str, allocator: str, rnd: Any = "last") -> Optional[Dict[str, Any]]:
+        """An allocator's run of a workload in round `rnd` (None: runs without rounds),
+        by default in the workload's last round, so that a table's rows come from one round."""
+        if rnd == "last":
+            rnd = self.rounds(workload)[-1]
+        return self.one("workload", workload=workload, allocator=allocator, round=rnd)
 
     def workloads(self) -> List[str]:
         seen = [r["workload"] for r in self.recs if r.get("kind") in ("workload", "max_batch", "skipped", "failed")
@@ -212,26 +227,28 @@ def table(header: List[str], rows: List[List[str]]) -> List[str]:
     return out
 
 
-def step_ratios(res: Results, workload: str) -> Dict[str, Optional[float]]:
+def step_ratios(res: Results, workload: str, rnd: Any = "last") -> Dict[str, Optional[float]]:
+    """Per allocator, its median step over the faster baseline's (native's or expandable
+    segments'), in round `rnd` (`Results.run`)."""
     med = {}
     for a in res.allocators():
-        r = res.one("workload", workload=workload, allocator=a)
+        r = res.run(workload, a, rnd)
         med[a] = r.get("median_step_s") if r and r.get("ok") else None
     base = [med[a] for a in ("native", "expandable") if med.get(a)]
     best = min(base) if base else None
     return {a: (m / best if (m and best) else None) for a, m in med.items()}
 
 
-def paired_step_ratios(res: Results, workload: str) -> Dict[str, Optional[float]]:
+def paired_step_ratios(res: Results, workload: str, rnd: Any = "last") -> Dict[str, Optional[float]]:
     """Per allocator, the median over steps of each step's time over the faster baseline's
     (native's or expandable segments') time for the same step. The workloads draw seeded
     shapes, so step i is the same work in every run, and steps of very different sizes (moe's
     token counts, conv's image sizes) stop weighing on which step lands at a run's median.
     None where the run or both baselines have no step times, or their steps differ (in
-    number, or in the shapes recorded)."""
+    number, or in the shapes recorded). In round `rnd` (`Results.run`)."""
     runs = {}
     for a in res.allocators():
-        r = res.one("workload", workload=workload, allocator=a)
+        r = res.run(workload, a, rnd)
         if r and r.get("ok") and r.get("step_times_s"):
             runs[a] = r
     out: Dict[str, Optional[float]] = {a: None for a in res.allocators()}
@@ -254,6 +271,38 @@ def paired_step_ratios(res: Results, workload: str) -> Dict[str, Optional[float]
         if same_steps(r):
             out[a] = statistics.median(r["step_times_s"][i] / best[i] for i in range(n))
     return out
+
+
+def round_step_ratios(res: Results, workload: str) -> Dict[str, Optional[Tuple[float, float, float, int]]]:
+    """Per allocator, over the rounds of a workload (two or more): (geometric mean, lowest,
+    highest, rounds) of its step ratios, each round's run against the faster baseline run of
+    the same round. A round's ratio is the paired one (`paired_step_ratios`) where every round
+    has it, else the median-step one (`step_ratios`); rounds where the allocator or both
+    baselines have no ratio are left out. None where fewer than two rounds have a ratio: one
+    process's steps can sit 20-40% from another's of the same allocator on a shared host, and
+    only several rounds show how far a ratio is from the noise."""
+    rounds = [x for x in res.rounds(workload) if x is not None]
+    out: Dict[str, Optional[Tuple[float, float, float, int]]] = {a: None for a in res.allocators()}
+    if len(rounds) < 2:
+        return out
+    paired = [paired_step_ratios(res, workload, x) for x in rounds]
+    median = [step_ratios(res, workload, x) for x in rounds]
+    for a in out:
+        per = [p.get(a) for p in paired]
+        if any(x is None for x in per):
+            per = [m.get(a) for m in median]
+        got = [x for x in per if x is not None]
+        pooled = paired_ratios(got) if len(got) >= 2 else None
+        out[a] = pooled + (len(got),) if pooled else None
+    return out
+
+
+def rounds_note(pooled: Optional[Tuple[float, float, float, int]]) -> str:
+    """"3 rounds: 0.969 (0.843-1.218)": a `round_step_ratios` entry; empty for None."""
+    if not pooled:
+        return ""
+    g, lo, hi, n = pooled
+    return f"{n} rounds: {g:.3f} ({lo:.3f}-{hi:.3f})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +344,7 @@ def targets_lines(res: Results) -> List[str]:
     # Utilization.
     utils = []
     for w in res.workloads():
-        r = res.one("workload", workload=w, allocator="gmlake")
+        r = res.run(w, "gmlake")
         if r and r.get("ok") and r.get("utilization") is not None:
             utils.append((r["utilization"], w))
     if utils:
@@ -307,7 +356,9 @@ def targets_lines(res: Results) -> List[str]:
     # Step time.
     ratios = []
     for w in res.workloads():
-        g = step_ratios(res, w).get("gmlake")
+        # Over the rounds where there are several: one round's ratio is mostly its noise.
+        pooled = round_step_ratios(res, w).get("gmlake")
+        g = pooled[0] if pooled else step_ratios(res, w).get("gmlake")
         if g is not None:
             ratios.append((g, w))
     if ratios:
@@ -376,8 +427,7 @@ def workload_lines(res: Results) -> List[str]:
         lines.append(f"### {w}")
         lines.append("")
         desc = DESCRIPTIONS.get(w)
-        any_rec = next((res.one("workload", workload=w, allocator=a) for a in allocs
-                        if res.one("workload", workload=w, allocator=a)), None)
+        any_rec = next((res.run(w, a) for a in allocs if res.run(w, a)), None)
         if desc:
             lines.append(desc + ".")
         if any_rec:
@@ -393,9 +443,15 @@ def workload_lines(res: Results) -> List[str]:
         lines.append("")
         ratios = step_ratios(res, w)
         paired = paired_step_ratios(res, w)
+        pooled = round_step_ratios(res, w)
+        last = res.rounds(w)[-1]
+        if last is not None:
+            lines.append(f"Rows: round {last} of {len(res.rounds(w))}; the step column also gives each "
+                         "allocator's ratio over the rounds (geometric mean, lowest-highest).")
+            lines.append("")
         rows = []
         for a in allocs:
-            r = res.one("workload", workload=w, allocator=a)
+            r = res.run(w, a)
             mb = res.one("max_batch", workload=w, allocator=a)
             prob = res.problem(w, a, "workload")
             if r is None and mb is None:
@@ -440,7 +496,8 @@ def workload_lines(res: Results) -> List[str]:
                 gib(r.get("peak_reserved_bytes")) if r else "—",
                 fnum(r.get("utilization")) if r else "—",
                 fnum(r.get("median_step_s") * 1e3, "{:.1f} ms") if ok and r.get("median_step_s") else "—",
-                fnum(ratios.get(a), "{:.3f}×") + (f" (paired {paired[a]:.3f}×)" if paired.get(a) else ""),
+                fnum(ratios.get(a), "{:.3f}×") + (f" (paired {paired[a]:.3f}×)" if paired.get(a) else "")
+                + (f"; {rounds_note(pooled.get(a))}" if pooled.get(a) else ""),
                 calls_cell(r),
                 mbs,
                 "; ".join(notes),
@@ -584,7 +641,7 @@ def plots(res: Results, img_dir: str) -> Tuple[List[str], Optional[str]]:
     files = []
     allocs = res.allocators()
     colors = {"native": "#4c72b0", "expandable": "#dd8452", "gmlake": "#55a868"}
-    wls = [w for w in res.workloads() if any(res.one("workload", workload=w, allocator=a) for a in allocs)]
+    wls = [w for w in res.workloads() if any(res.run(w, a) for a in allocs)]
 
     if wls:
         fig, ax = plt.subplots(figsize=(9, 4.2))
@@ -592,7 +649,7 @@ def plots(res: Results, img_dir: str) -> Tuple[List[str], Optional[str]]:
         for i, a in enumerate(allocs):
             res_v, act_v = [], []
             for w in wls:
-                r = res.one("workload", workload=w, allocator=a)
+                r = res.run(w, a)
                 res_v.append((r.get("peak_reserved_bytes") or 0) / GiB if r else 0)
                 act_v.append(r["peak_active_bytes"] / GiB if r and r.get("peak_active_bytes") else float("nan"))
             xs = [j + (i - (len(allocs) - 1) / 2) * width for j in range(len(wls))]
@@ -725,8 +782,9 @@ def summary(res: Results) -> str:
     for w in res.workloads():
         ratios = step_ratios(res, w)
         paired = paired_step_ratios(res, w)
+        pooled = round_step_ratios(res, w)
         for a in res.allocators():
-            r = res.one("workload", workload=w, allocator=a)
+            r = res.run(w, a)
             mb = res.one("max_batch", workload=w, allocator=a)
             prob = res.problem(w, a, "workload") or ""
             if r is None and mb is None:
@@ -736,7 +794,7 @@ def summary(res: Results) -> str:
             # The paired ratio, then the steps that mapped (a median of 0 calls a step says
             # nothing of them).
             pair = f"paired {paired[a]:.3f}" if paired.get(a) else ""
-            note = " ".join(x for x in (prob, pair, quiet_steps_note(r)) if x)
+            note = " ".join(x for x in (prob, pair, rounds_note(pooled.get(a)), quiet_steps_note(r)) if x)
             if r is not None and not r.get("ok"):
                 note += " run failed: " + str(r.get("error", ""))[:60]
             if mb is not None and mb.get("error"):

@@ -21,6 +21,11 @@
 #   BENCH_ALLOCATORS allocators, run in this order per workload (default: "native expandable
 #                   gmlake native2"; native2 is native again, whose ratio to native is the noise;
 #                   gmlake+key:value,... is gmlake with that GMLAKE_CONF, labelled so)
+#   BENCH_ROUNDS    rounds of the workloads (default 1): each workload runs its allocators in
+#                   order, then again, N times in all (the largest-batch search in the first
+#                   round only); report.py gives each allocator's step ratio per round and
+#                   their geometric mean. One process's step times can sit 20-40% from another's
+#                   of the same allocator on a shared host, so one round cannot show 2%
 #   BENCH_STEPS     measured steps of every workload (overrides the defaults and quick mode;
 #                   a workload's timeout grows with it past the workload's default steps)
 #   BENCH_NO_SEARCH=1 skip the largest-batch searches (step times and driver calls only)
@@ -43,6 +48,11 @@ BUDGET=${BENCH_BUDGET_S:-450}
 QUICK=${BENCH_QUICK:-0}
 WORKLOADS=${BENCH_WORKLOADS:-llm_lora moe conv kv_infer fsdp_offload concat_cache stress}
 ALLOCATORS=${BENCH_ALLOCATORS:-native expandable gmlake native2}
+ROUNDS=${BENCH_ROUNDS:-1}
+if ! [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "run-gpu: BENCH_ROUNDS must be a whole number of rounds, 1 or more, not '$ROUNDS'" >&2
+  exit 2
+fi
 PY=${PYTHON:-python3}
 export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -172,8 +182,8 @@ wl_quick_flags() {
   esac
 }
 
-run_workload() { # workload allocator
-  local w=$1 a=$2 t s rc=0
+run_workload() { # workload allocator round
+  local w=$1 a=$2 round=$3 t s rc=0
   t=$(left)
   if [ "$t" -lt 30 ]; then
     log "skipping $w/$a: ${t}s left"
@@ -193,13 +203,14 @@ run_workload() { # workload allocator
   # Leave the search at most 60% of the process's time.
   [ "$s" -gt $((t * 6 / 10)) ] && s=$((t * 6 / 10))
   local flags=(--out "$RES" --tag "run-gpu")
-  [ "${BENCH_NO_SEARCH:-0}" = 1 ] || flags+=(--search --search-time "$s")
+  [ "$ROUNDS" -gt 1 ] && flags+=(--round "$round")
+  [ "${BENCH_NO_SEARCH:-0}" = 1 ] || [ "$round" -gt 1 ] || flags+=(--search --search-time "$s")
   [ -n "${BENCH_STEPS:-}" ] && flags+=(--steps "$BENCH_STEPS")
   if [ "$QUICK" = 1 ]; then
     # shellcheck disable=SC2207
     flags+=($(wl_quick_flags "$w"))
   fi
-  log "$w/$a (timeout ${t}s, search ${s}s)"
+  log "$w/$a$([ "$ROUNDS" -gt 1 ] && echo " round $round/$ROUNDS") (timeout ${t}s, search ${s}s)"
   local script=bench/workloads/$w.py
   case $a in
   native) timeout -k 10 "$t" "$PY" "$script" --allocator native "${flags[@]}" >>"$LOG" 2>&1 || rc=$? ;;
@@ -213,12 +224,14 @@ run_workload() { # workload allocator
   esac
   if [ "$rc" != 0 ]; then
     log "$w/$a exited with $rc$([ "$rc" = 124 ] && echo ' (timeout)')"
-    record "{\"kind\":\"failed\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"rc\":$rc}"
+    record "{\"kind\":\"failed\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"rc\":$rc,\"round\":$round}"
   fi
 }
 if [ "${BENCH_NO_WORKLOADS:-0}" != 1 ]; then
   for w in $WORKLOADS; do
-    for a in $ALLOCATORS; do run_workload "$w" "$a"; done
+    for round in $(seq 1 "$ROUNDS"); do
+      for a in $ALLOCATORS; do run_workload "$w" "$a" "$round"; done
+    done
   done
 fi
 

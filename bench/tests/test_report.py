@@ -804,3 +804,104 @@ def test_paired_step_ratios_compare_each_step_with_the_same_step():
     # Other shapes in a baseline: nothing is paired.
     recs[2] = dict(recs[2], shapes=[{"tokens": 1}] * 5)
     assert all(v is None for v in report.paired_step_ratios(report.Results(recs), "moe").values())
+
+
+def _rounds_records(gmlake_by_round, native2_by_round=None):
+    """A moe workload run in rounds: native's steps scale by a per-round host speed, gmlake's
+    are its round's native steps times the given ratio."""
+    shapes = [{"tokens": t} for t in (100, 400, 200)]
+    recs = [{"kind": "env", "gpu": "FAKE", "driver": "1", "torch": "2.11.0", "date": "today"}]
+    for rnd, (speed, g) in enumerate(zip((1.0, 1.3, 0.8), gmlake_by_round), 1):
+        native = [speed * x for x in (0.10, 0.40, 0.20)]
+        runs = [("native", native), ("expandable", [1.5 * x for x in native])]
+        if g is not None:
+            runs.append(("gmlake", [g * x for x in native]))
+        if native2_by_round:
+            runs.append(("native2", [native2_by_round[rnd - 1] * x for x in native]))
+        for a, st in runs:
+            recs.append({"kind": "workload", "workload": "moe", "allocator": a, "ok": True, "round": rnd,
+                         "steps": 3, "warmup": 1, "median_step_s": sorted(st)[1], "step_times_s": st,
+                         "shapes": shapes, "peak_active_bytes": GiB, "peak_reserved_bytes": GiB,
+                         "utilization": 1.0})
+    return recs
+
+
+def test_rounds_are_kept_apart_and_pooled():
+    """Runs in rounds (BENCH_ROUNDS) are compared within their round and the ratios pooled by
+    geometric mean: the host speed that moves every run of a round (here 0.8-1.3x) leaves
+    the pooled ratio alone, while the last record alone would read only round 3."""
+    res = report.Results(_rounds_records([0.9, 1.0, 1.2], native2_by_round=[1.1, 0.95, 1.0]))
+    assert res.rounds("moe") == [1, 2, 3]
+    assert res.run("moe", "gmlake")["round"] == 3 and res.run("moe", "gmlake", 1)["round"] == 1
+    pooled = report.round_step_ratios(res, "moe")
+    g, lo, hi, n = pooled["gmlake"]
+    assert abs(g - (0.9 * 1.0 * 1.2) ** (1 / 3)) < 1e-9 and (lo, hi, n) == (0.9, 1.2, 3), pooled
+    assert abs(pooled["native2"][0] - (1.1 * 0.95 * 1.0) ** (1 / 3)) < 1e-9
+    assert abs(pooled["native"][0] - 1.0) < 1e-9
+    line = next(x for x in report.summary(res).splitlines() if x.startswith("moe") and " gmlake " in x)
+    assert "paired 1.200" in line and "3 rounds: 1.026 (0.900-1.200)" in line, line
+    md = "\n".join(report.workload_lines(res))
+    assert "Rows: round 3 of 3" in md and "3 rounds: 1.026 (0.900-1.200)" in md, md
+    # The target reads the pooled ratio, not round 3's 1.2.
+    target = next(x for x in report.targets_lines(res) if "median step time" in x)
+    assert "worst 1.026×" in target, target
+
+
+def test_rounds_without_a_run_are_left_out_and_one_round_is_no_pool():
+    """A round where gmlake has no run is left out of its pool; with one round left there is
+    no pooled ratio (and without rounds, none either)."""
+    res = report.Results(_rounds_records([0.9, None, 1.2]))
+    g, lo, hi, n = report.round_step_ratios(res, "moe")["gmlake"]
+    assert n == 2 and abs(g - (0.9 * 1.2) ** 0.5) < 1e-9
+    assert report.round_step_ratios(report.Results(_rounds_records([None, None, 1.2])), "moe")["gmlake"] is None
+    plain = [dict(r) for r in _rounds_records([0.9]) if r.get("kind") == "env" or r.get("round") == 1]
+    for r in plain:
+        r.pop("round", None)
+    res = report.Results(plain)
+    assert res.rounds("moe") == [None] and report.round_step_ratios(res, "moe")["gmlake"] is None
+    assert abs(report.step_ratios(res, "moe")["gmlake"] - 0.9) < 1e-9
+
+
+def test_run_gpu_runs_rounds_in_order_and_searches_once(tmp_path):
+    """run-gpu.sh with BENCH_ROUNDS=2: each workload runs its allocators in order, then again,
+    passing --round; the largest-batch search runs in the first round only. A python stand-in
+    records the workload processes' arguments (no GPU needed). A bad BENCH_ROUNDS is named."""
+    log = tmp_path / "argv.log"
+    fake = tmp_path / "py"
+    fake.write_text("#!/bin/bash\n"
+                    "case \"$*\" in *bench/workloads/*) echo \"$*\" >> " + str(log) + "; exit 0;; esac\n"
+                    "exec " + sys.executable + " \"$@\"\n")
+    fake.chmod(0o755)
+    lib = tmp_path / "libgmlake_torch.so"
+    lib.write_text("")
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / "out"), BENCH_NO_LATENCY="1",
+               BENCH_WORKLOADS="moe conv", BENCH_ALLOCATORS="native gmlake", BENCH_ROUNDS="2",
+               BENCH_BUDGET_S="600")
+    r = subprocess.run(["bash", str(BENCH / "run-gpu.sh"), str(lib)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    runs = log.read_text().splitlines()
+    got = [(x.split("bench/workloads/")[1].split(".py")[0], "gmlake" if "-m gmlake" in x else "native",
+            x.split("--round ")[1].split()[0], "--search " in x) for x in runs]
+    assert got == [("moe", "native", "1", True), ("moe", "gmlake", "1", True),
+                   ("moe", "native", "2", False), ("moe", "gmlake", "2", False),
+                   ("conv", "native", "1", True), ("conv", "gmlake", "1", True),
+                   ("conv", "native", "2", False), ("conv", "gmlake", "2", False)], runs
+    bad = subprocess.run(["bash", str(BENCH / "run-gpu.sh"), str(lib)], env=dict(env, BENCH_ROUNDS="two"),
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "BENCH_ROUNDS" in bad.stderr and "'two'" in bad.stderr, bad.stderr
+
+
+def test_round_is_recorded_and_a_negative_round_is_refused(tmp_path):
+    """A negative --round is an error naming the option (before torch is imported); --round N
+    goes into the records (with torch, on the CPU)."""
+    bad = subprocess.run([sys.executable, str(BENCH / "workloads" / "moe.py"), "--device", "cpu", "--tiny",
+                          "--round", "-1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--round must be 0" in bad.stderr and "-1" in bad.stderr, bad.stderr
+    pytest.importorskip("torch")
+    out = tmp_path / "r.jsonl"
+    r = subprocess.run([sys.executable, str(BENCH / "workloads" / "moe.py"), "--device", "cpu", "--tiny",
+                        "--steps", "1", "--warmup", "1", "--round", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text().splitlines()[0])["round"] == 2

@@ -89,6 +89,9 @@ def base_parser(name: str, description: str, defaults: Dict[str, Any]) -> argpar
                         "and frees of 50 us or more on a track of their own); the step is left "
                         "out of the timings")
     g.add_argument("--tag", default="", help="free text stored in the records")
+    g.add_argument("--round", type=int, default=0,
+                   help="which round of a benchmark call this run is (1, 2, ...; 0: no rounds): "
+                        "bench/report.py pools each allocator's step ratios over the rounds")
     g.add_argument("--label", default="",
                    help="name recorded as the allocator (e.g. native2 for a second native run)")
     return p
@@ -748,6 +751,8 @@ def main(module, argv=None) -> int:
     p = base_parser(module.NAME, " ".join(module.__doc__.split()), module.DEFAULTS)
     module.add_args(p)
     args = p.parse_args(argv)
+    if args.round < 0:
+        p.error(f"--round must be 0 (no rounds) or a round's number, not {args.round}")
     if args.tiny:
         args.steps = min(args.steps, 3)
         args.warmup = min(args.warmup, 1)
@@ -768,6 +773,8 @@ def main(module, argv=None) -> int:
         "tag": args.tag,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    if args.round > 0:
+        base["round"] = args.round
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     if args.record_trace:
