@@ -21,8 +21,9 @@
 #   BENCH_ALLOCATORS allocators, run in this order per workload (default: "native expandable
 #                   gmlake native2"; native2 is native again, whose ratio to native is the noise;
 #                   gmlake+key:value,... is gmlake with that GMLAKE_CONF, labelled so)
-#   BENCH_ROUNDS    rounds of the workloads (default 1): each workload runs its allocators in
-#                   order, then again, N times in all (the largest-batch search in the first
+#   BENCH_ROUNDS    rounds of the workloads (default 1): each workload runs its allocators
+#                   N times, round after round, each round's order rotated by one (round 2
+#                   starts with the second allocator; the largest-batch search in the first
 #                   round only); report.py gives each allocator's step ratio per round and
 #                   their geometric mean. One process's step times can sit 20-40% from another's
 #                   of the same allocator on a shared host, so one round cannot show 2%
@@ -230,7 +231,12 @@ run_workload() { # workload allocator round
 if [ "${BENCH_NO_WORKLOADS:-0}" != 1 ]; then
   for w in $WORKLOADS; do
     for round in $(seq 1 "$ROUNDS"); do
-      for a in $ALLOCATORS; do run_workload "$w" "$a" "$round"; done
+      # Round r starts r-1 allocators later (rotated), so that no allocator always runs in the
+      # same place of a round: on a shared host the place can weigh as much as the allocator.
+      # shellcheck disable=SC2206
+      order=($ALLOCATORS)
+      k=$(((round - 1) % ${#order[@]}))
+      for a in "${order[@]:k}" "${order[@]:0:k}"; do run_workload "$w" "$a" "$round"; done
     done
   done
 fi

@@ -863,8 +863,9 @@ def test_rounds_without_a_run_are_left_out_and_one_round_is_no_pool():
 
 
 def test_run_gpu_runs_rounds_in_order_and_searches_once(tmp_path):
-    """run-gpu.sh with BENCH_ROUNDS=2: each workload runs its allocators in order, then again,
-    passing --round; the largest-batch search runs in the first round only. A python stand-in
+    """run-gpu.sh with BENCH_ROUNDS=2: each workload runs its allocators in order, then again
+    with the order rotated by one, passing --round; the largest-batch search runs in the
+    first round only. A python stand-in
     records the workload processes' arguments (no GPU needed). A bad BENCH_ROUNDS is named."""
     log = tmp_path / "argv.log"
     fake = tmp_path / "py"
@@ -884,9 +885,9 @@ def test_run_gpu_runs_rounds_in_order_and_searches_once(tmp_path):
     got = [(x.split("bench/workloads/")[1].split(".py")[0], "gmlake" if "-m gmlake" in x else "native",
             x.split("--round ")[1].split()[0], "--search " in x) for x in runs]
     assert got == [("moe", "native", "1", True), ("moe", "gmlake", "1", True),
-                   ("moe", "native", "2", False), ("moe", "gmlake", "2", False),
+                   ("moe", "gmlake", "2", False), ("moe", "native", "2", False),
                    ("conv", "native", "1", True), ("conv", "gmlake", "1", True),
-                   ("conv", "native", "2", False), ("conv", "gmlake", "2", False)], runs
+                   ("conv", "gmlake", "2", False), ("conv", "native", "2", False)], runs
     bad = subprocess.run(["bash", str(BENCH / "run-gpu.sh"), str(lib)], env=dict(env, BENCH_ROUNDS="two"),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "BENCH_ROUNDS" in bad.stderr and "'two'" in bad.stderr, bad.stderr
