@@ -273,36 +273,70 @@ def paired_step_ratios(res: Results, workload: str, rnd: Any = "last") -> Dict[s
     return out
 
 
-def round_step_ratios(res: Results, workload: str) -> Dict[str, Optional[Tuple[float, float, float, int]]]:
-    """Per allocator, over the rounds of a workload (two or more): (geometric mean, lowest,
-    highest, rounds) of its step ratios, each round's run against the faster baseline run of
-    the same round. A round's ratio is the paired one (`paired_step_ratios`) where every round
-    has it, else the median-step one (`step_ratios`); rounds where the allocator or both
-    baselines have no ratio are left out. None where fewer than two rounds have a ratio: one
-    process's steps can sit 20-40% from another's of the same allocator on a shared host, and
-    only several rounds show how far a ratio is from the noise."""
+def _ratios_to(run: Optional[Dict[str, Any]], ref: Optional[Dict[str, Any]]) -> Tuple[Optional[float], Optional[float]]:
+    """(paired, median-step) ratio of one run to another: the median of step-by-step ratios
+    (None unless both have the same steps: number and recorded shapes), and the ratio of their
+    median steps (None unless both ran)."""
+    if not (run and ref and run.get("ok") and ref.get("ok")):
+        return None, None
+    median = (run["median_step_s"] / ref["median_step_s"]
+              if run.get("median_step_s") and ref.get("median_step_s") else None)
+    st, rt = run.get("step_times_s") or [], ref.get("step_times_s") or []
+    shapes, ref_shapes = run.get("shapes"), ref.get("shapes")
+    if not st or len(st) != len(rt) or any(x <= 0 for x in rt) \
+            or (shapes is not None and ref_shapes is not None and shapes != ref_shapes):
+        return None, median
+    return statistics.median(x / y for x, y in zip(st, rt)), median
+
+
+RoundRatio = Tuple[float, float, float, int, str]
+
+
+def round_step_ratios(res: Results, workload: str) -> Dict[str, Optional[RoundRatio]]:
+    """Per allocator, over the rounds of a workload (two or more): (its step time over the
+    faster baseline's, lowest and highest per-round ratio to the reference, rounds, the
+    reference's name). Each round's run is compared with the reference baseline's run of the
+    same round (native's, else expandable segments', whichever ran in every round), paired
+    step by step where every round allows it (`_ratios_to`), else by median steps; the
+    per-round ratios are pooled by geometric mean, and only then divided by the faster
+    baseline's pooled ratio. Picking the faster baseline round by round instead would favour
+    the baselines: the faster of two noisy runs beats either's typical run, so native itself
+    read 1.09 of it on moe over six rounds. None where fewer than two rounds have a ratio
+    (one process's steps can sit 20-40% from another's of the same allocator on a shared
+    host; only several rounds show how far a ratio is from the noise)."""
     rounds = [x for x in res.rounds(workload) if x is not None]
-    out: Dict[str, Optional[Tuple[float, float, float, int]]] = {a: None for a in res.allocators()}
+    out: Dict[str, Optional[RoundRatio]] = {a: None for a in res.allocators()}
     if len(rounds) < 2:
         return out
-    paired = [paired_step_ratios(res, workload, x) for x in rounds]
-    median = [step_ratios(res, workload, x) for x in rounds]
+    ref = next((b for b in ("native", "expandable")
+                if all((res.run(workload, b, x) or {}).get("ok") for x in rounds)), None)
+    if ref is None:
+        return out
+    pooled: Dict[str, Tuple[float, float, float, int]] = {}
     for a in out:
-        per = [p.get(a) for p in paired]
-        if any(x is None for x in per):
-            per = [m.get(a) for m in median]
+        pairs = [_ratios_to(res.run(workload, a, x), res.run(workload, ref, x)) for x in rounds]
+        paired = [p for p, _ in pairs]
+        per = paired if all(p is not None for p in paired) else [m for _, m in pairs]
         got = [x for x in per if x is not None]
-        pooled = paired_ratios(got) if len(got) >= 2 else None
-        out[a] = pooled + (len(got),) if pooled else None
+        if len(got) >= 2:
+            g, lo, hi = paired_ratios(got)
+            pooled[a] = (g, lo, hi, len(got))
+    base = [pooled[b][0] for b in ("native", "expandable") if b in pooled]
+    if not base:
+        return out
+    best = min(base)
+    for a, (g, lo, hi, n) in pooled.items():
+        out[a] = (g / best, lo, hi, n, ref)
     return out
 
 
-def rounds_note(pooled: Optional[Tuple[float, float, float, int]]) -> str:
-    """"3 rounds: 0.969 (0.843-1.218)": a `round_step_ratios` entry; empty for None."""
+def rounds_note(pooled: Optional[RoundRatio]) -> str:
+    """"6 rounds: 1.004 (native's 0.777-1.161)": a `round_step_ratios` entry (over the faster
+    baseline, pooled; the per-round range against the reference); empty for None."""
     if not pooled:
         return ""
-    g, lo, hi, n = pooled
-    return f"{n} rounds: {g:.3f} ({lo:.3f}-{hi:.3f})"
+    g, lo, hi, n, ref = pooled
+    return f"{n} rounds: {g:.3f} ({ref}'s {lo:.3f}-{hi:.3f})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,8 +480,11 @@ def workload_lines(res: Results) -> List[str]:
         pooled = round_step_ratios(res, w)
         last = res.rounds(w)[-1]
         if last is not None:
-            lines.append(f"Rows: round {last} of {len(res.rounds(w))}; the step column also gives each "
-                         "allocator's ratio over the rounds (geometric mean, lowest-highest).")
+            lines.append(f"Rows: round {last} of {len(res.rounds(w))}. The step column also gives, over "
+                         "the rounds, each allocator's step time over the faster baseline's (each round "
+                         "against the reference baseline's run of that round, pooled by geometric mean, "
+                         "then over the faster baseline's pooled ratio) and the range of its per-round "
+                         "ratios to the reference.")
             lines.append("")
         rows = []
         for a in allocs:

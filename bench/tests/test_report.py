@@ -10,6 +10,7 @@ import json
 import os
 import py_compile
 import subprocess
+import statistics
 import sys
 from pathlib import Path
 
@@ -806,52 +807,72 @@ def test_paired_step_ratios_compare_each_step_with_the_same_step():
     assert all(v is None for v in report.paired_step_ratios(report.Results(recs), "moe").values())
 
 
-def _rounds_records(gmlake_by_round, native2_by_round=None):
-    """A moe workload run in rounds: native's steps scale by a per-round host speed, gmlake's
-    are its round's native steps times the given ratio."""
-    shapes = [{"tokens": t} for t in (100, 400, 200)]
+def _rounds_records(gmlake_by_round, native2_by_round=None, expandable_by_round=None):
+    """A moe workload run in rounds: native's steps scale by a per-round host speed; the
+    others' are their round's native steps times the given ratios (expandable 1.5 unless
+    given)."""
+    shapes = [{"tokens": t} for t in (100, 400, 200, 300)]
     recs = [{"kind": "env", "gpu": "FAKE", "driver": "1", "torch": "2.11.0", "date": "today"}]
-    for rnd, (speed, g) in enumerate(zip((1.0, 1.3, 0.8), gmlake_by_round), 1):
-        native = [speed * x for x in (0.10, 0.40, 0.20)]
-        runs = [("native", native), ("expandable", [1.5 * x for x in native])]
+    speeds = (1.0, 1.3, 0.8, 1.1)
+    for rnd, g in enumerate(gmlake_by_round, 1):
+        native = [speeds[rnd - 1] * x for x in (0.10, 0.40, 0.20, 0.30)]
+        e = expandable_by_round[rnd - 1] if expandable_by_round else 1.5
+        runs = [("native", native), ("expandable", [e * x for x in native])]
         if g is not None:
             runs.append(("gmlake", [g * x for x in native]))
         if native2_by_round:
             runs.append(("native2", [native2_by_round[rnd - 1] * x for x in native]))
         for a, st in runs:
             recs.append({"kind": "workload", "workload": "moe", "allocator": a, "ok": True, "round": rnd,
-                         "steps": 3, "warmup": 1, "median_step_s": sorted(st)[1], "step_times_s": st,
+                         "steps": 4, "warmup": 1, "median_step_s": statistics.median(st), "step_times_s": st,
                          "shapes": shapes, "peak_active_bytes": GiB, "peak_reserved_bytes": GiB,
                          "utilization": 1.0})
     return recs
 
 
 def test_rounds_are_kept_apart_and_pooled():
-    """Runs in rounds (BENCH_ROUNDS) are compared within their round and the ratios pooled by
-    geometric mean: the host speed that moves every run of a round (here 0.8-1.3x) leaves
-    the pooled ratio alone, while the last record alone would read only round 3."""
+    """Runs in rounds (BENCH_ROUNDS) are compared with the reference baseline's run of their
+    round and the ratios pooled by geometric mean: the host speed that moves every run of a
+    round (here 0.8-1.3x) leaves the pooled ratio alone, while the last record alone would
+    read only round 3."""
     res = report.Results(_rounds_records([0.9, 1.0, 1.2], native2_by_round=[1.1, 0.95, 1.0]))
     assert res.rounds("moe") == [1, 2, 3]
     assert res.run("moe", "gmlake")["round"] == 3 and res.run("moe", "gmlake", 1)["round"] == 1
     pooled = report.round_step_ratios(res, "moe")
-    g, lo, hi, n = pooled["gmlake"]
-    assert abs(g - (0.9 * 1.0 * 1.2) ** (1 / 3)) < 1e-9 and (lo, hi, n) == (0.9, 1.2, 3), pooled
+    g, lo, hi, n, ref = pooled["gmlake"]
+    assert abs(g - (0.9 * 1.0 * 1.2) ** (1 / 3)) < 1e-9 and (lo, hi, n, ref) == (0.9, 1.2, 3, "native"), pooled
     assert abs(pooled["native2"][0] - (1.1 * 0.95 * 1.0) ** (1 / 3)) < 1e-9
-    assert abs(pooled["native"][0] - 1.0) < 1e-9
+    assert abs(pooled["native"][0] - 1.0) < 1e-9 and abs(pooled["expandable"][0] - 1.5) < 1e-9
     line = next(x for x in report.summary(res).splitlines() if x.startswith("moe") and " gmlake " in x)
-    assert "paired 1.200" in line and "3 rounds: 1.026 (0.900-1.200)" in line, line
+    assert "paired 1.200" in line and "3 rounds: 1.026 (native's 0.900-1.200)" in line, line
     md = "\n".join(report.workload_lines(res))
-    assert "Rows: round 3 of 3" in md and "3 rounds: 1.026 (0.900-1.200)" in md, md
+    assert "Rows: round 3 of 3" in md and "3 rounds: 1.026 (native's 0.900-1.200)" in md, md
     # The target reads the pooled ratio, not round 3's 1.2.
     target = next(x for x in report.targets_lines(res) if "median step time" in x)
     assert "worst 1.026×" in target, target
+
+
+def test_rounds_pick_the_faster_baseline_after_pooling():
+    """Expandable faster than native in alternate rounds by the same factor, gmlake exactly
+    native: picking the faster baseline round by round would read gmlake 1.12 (and native
+    itself 1.12); pooled first, both baselines are even and gmlake reads 1.000. Where the
+    expandable runs are faster over the rounds, they are the measure."""
+    swing = [0.8, 1.25, 0.8, 1.25]
+    res = report.Results(_rounds_records([1.0] * 4, expandable_by_round=swing))
+    pooled = report.round_step_ratios(res, "moe")
+    assert abs(pooled["gmlake"][0] - 1.0) < 1e-9 and abs(pooled["native"][0] - 1.0) < 1e-9, pooled
+    per_round_min = [report.step_ratios(res, "moe", x)["gmlake"] for x in (1, 2, 3, 4)]
+    assert abs(statistics.median(per_round_min) - 1.125) < 1e-9, per_round_min
+    res = report.Results(_rounds_records([1.0] * 3, expandable_by_round=[0.9, 0.9, 0.9]))
+    pooled = report.round_step_ratios(res, "moe")
+    assert abs(pooled["gmlake"][0] - 1 / 0.9) < 1e-9 and abs(pooled["expandable"][0] - 1.0) < 1e-9, pooled
 
 
 def test_rounds_without_a_run_are_left_out_and_one_round_is_no_pool():
     """A round where gmlake has no run is left out of its pool; with one round left there is
     no pooled ratio (and without rounds, none either)."""
     res = report.Results(_rounds_records([0.9, None, 1.2]))
-    g, lo, hi, n = report.round_step_ratios(res, "moe")["gmlake"]
+    g, lo, hi, n, _ = report.round_step_ratios(res, "moe")["gmlake"]
     assert n == 2 and abs(g - (0.9 * 1.2) ** 0.5) < 1e-9
     assert report.round_step_ratios(report.Results(_rounds_records([None, None, 1.2])), "moe")["gmlake"] is None
     plain = [dict(r) for r in _rounds_records([0.9]) if r.get("kind") == "env" or r.get("round") == 1]
