@@ -113,7 +113,7 @@ def _key(r: Dict[str, Any]) -> Tuple:
         return (k, r.get("workload"), r.get("allocator"))
     if k == "env":
         return (k,)
-    return (k, r.get("what"), r.get("workload"), r.get("allocator"))
+    return (k, r.get("what"), r.get("workload"), r.get("allocator"), r.get("round"))
 
 
 class Results:
@@ -164,14 +164,19 @@ class Results:
         return [a for a in ALLOCATORS if a in seen] + sorted(a for a in seen - set(ALLOCATORS) if a)
 
     def problem(self, workload: Optional[str], allocator: str, what: str) -> Optional[str]:
+        """What went wrong with an allocator's run ("failed (exit 1)"), each round's where
+        there are rounds ("round 2: timed out; round 3: skipped (budget)"); None if nothing."""
+        found = []
         for r in self.recs:
             if r.get("kind") in ("skipped", "failed") and r.get("allocator") == allocator \
                     and r.get("what") == what and r.get("workload") == workload:
                 if r["kind"] == "skipped":
-                    return f"skipped ({r.get('why', '?')})"
-                rc = r.get("rc")
-                return "timed out" if rc in (124, 137) else f"failed (exit {rc})"
-        return None
+                    why = f"skipped ({r.get('why', '?')})"
+                else:
+                    rc = r.get("rc")
+                    why = "timed out" if rc in (124, 137) else f"failed (exit {rc})"
+                found.append((f"round {r['round']}: " if r.get("round") is not None else "") + why)
+        return "; ".join(found) or None
 
 
 # ---------------------------------------------------------------------------------------------

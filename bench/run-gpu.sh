@@ -24,9 +24,10 @@
 #   BENCH_ROUNDS    rounds of the workloads (default 1): each workload runs its allocators
 #                   N times, round after round, each round's order rotated by one (round 2
 #                   starts with the second allocator; the largest-batch search in the first
-#                   round only); report.py gives each allocator's step ratio per round and
-#                   their geometric mean. One process's step times can sit 20-40% from another's
-#                   of the same allocator on a shared host, so one round cannot show 2%
+#                   round only); report.py pools each allocator's ratio to native's run of
+#                   the same round (geometric mean), then divides by the faster baseline's.
+#                   One process's step times can sit 20-40% from another's of the same
+#                   allocator on a shared host, so one round cannot show 2%
 #   BENCH_STEPS     measured steps of every workload (overrides the defaults and quick mode;
 #                   a workload's timeout grows with it past the workload's default steps)
 #   BENCH_NO_SEARCH=1 skip the largest-batch searches (step times and driver calls only)
@@ -139,7 +140,7 @@ run_latency() { # allocator
   t=$(left)
   if [ "$t" -lt 40 ]; then
     log "skipping latency/$a: ${t}s left"
-    record "{\"kind\":\"skipped\",\"what\":\"latency\",\"allocator\":\"$a\",\"why\":\"budget\"}"
+    record "{\"kind\":\"skipped\",\"what\":\"latency\",\"allocator\":\"$a\",\"why\":\"budget\"$rfield}"
     return
   fi
   [ "$t" -gt 120 ] && t=120
@@ -184,7 +185,9 @@ wl_quick_flags() {
 }
 
 run_workload() { # workload allocator round
-  local w=$1 a=$2 round=$3 t s rc=0
+  local w=$1 a=$2 round=$3 t s rc=0 rfield=""
+  # With rounds, a run's skipped or failed record says which round it was.
+  [ "$ROUNDS" -gt 1 ] && rfield=",\"round\":$round"
   t=$(left)
   if [ "$t" -lt 30 ]; then
     log "skipping $w/$a: ${t}s left"
@@ -225,7 +228,7 @@ run_workload() { # workload allocator round
   esac
   if [ "$rc" != 0 ]; then
     log "$w/$a exited with $rc$([ "$rc" = 124 ] && echo ' (timeout)')"
-    record "{\"kind\":\"failed\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"rc\":$rc,\"round\":$round}"
+    record "{\"kind\":\"failed\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"rc\":$rc$rfield}"
   fi
 }
 if [ "${BENCH_NO_WORKLOADS:-0}" != 1 ]; then

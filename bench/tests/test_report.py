@@ -890,8 +890,10 @@ def test_run_gpu_runs_rounds_in_order_and_searches_once(tmp_path):
     records the workload processes' arguments (no GPU needed). A bad BENCH_ROUNDS is named."""
     log = tmp_path / "argv.log"
     fake = tmp_path / "py"
+    # gmlake's run of moe's second round fails: its record names the round.
     fake.write_text("#!/bin/bash\n"
-                    "case \"$*\" in *bench/workloads/*) echo \"$*\" >> " + str(log) + "; exit 0;; esac\n"
+                    "case \"$*\" in *bench/workloads/*) echo \"$*\" >> " + str(log) + ";\n"
+                    "  case \"$*\" in *'-m gmlake'*moe.py*'--round 2'*) exit 1;; esac; exit 0;; esac\n"
                     "exec " + sys.executable + " \"$@\"\n")
     fake.chmod(0o755)
     lib = tmp_path / "libgmlake_torch.so"
@@ -909,6 +911,12 @@ def test_run_gpu_runs_rounds_in_order_and_searches_once(tmp_path):
                    ("moe", "gmlake", "2", False), ("moe", "native", "2", False),
                    ("conv", "native", "1", True), ("conv", "gmlake", "1", True),
                    ("conv", "gmlake", "2", False), ("conv", "native", "2", False)], runs
+    failed = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+              if '"failed"' in x]
+    assert [(f["workload"], f["allocator"], f["round"], f["rc"]) for f in failed] == [("moe", "gmlake", 2, 1)]
+    line = next(x for x in (tmp_path / "out" / "summary.txt").read_text().splitlines()
+                if x.startswith("moe") and " gmlake " in x)
+    assert line.endswith("round 2: failed (exit 1)"), line
     bad = subprocess.run(["bash", str(BENCH / "run-gpu.sh"), str(lib)], env=dict(env, BENCH_ROUNDS="two"),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "BENCH_ROUNDS" in bad.stderr and "'two'" in bad.stderr, bad.stderr
