@@ -104,7 +104,7 @@ def load(paths: Iterable[str]) -> List[Dict[str, Any]]:
 def _key(r: Dict[str, Any]) -> Tuple:
     k = r.get("kind")
     if k == "latency":
-        return (k, r.get("allocator"), r.get("test"), r.get("size"))
+        return (k, r.get("allocator"), r.get("test"), r.get("size"), r.get("bench_round"))
     if k == "stitch":
         return (k, r.get("allocator"), r.get("test"), r.get("pages_per_block"), r.get("blocks"), r.get("round"))
     if k == "workload":
@@ -317,22 +317,47 @@ def round_step_ratios(res: Results, workload: str) -> Dict[str, Optional[RoundRa
                 if all((res.run(workload, b, x) or {}).get("ok") for x in rounds)), None)
     if ref is None:
         return out
-    pooled: Dict[str, Tuple[float, float, float, int]] = {}
+    per: Dict[str, List[float]] = {}
     for a in out:
         pairs = [_ratios_to(res.run(workload, a, x), res.run(workload, ref, x)) for x in rounds]
         paired = [p for p, _ in pairs]
-        per = paired if all(p is not None for p in paired) else [m for _, m in pairs]
-        got = [x for x in per if x is not None]
-        if len(got) >= 2:
-            g, lo, hi = paired_ratios(got)
-            pooled[a] = (g, lo, hi, len(got))
+        chosen = paired if all(p is not None for p in paired) else [m for _, m in pairs]
+        per[a] = [x for x in chosen if x is not None]
+    return _pool_rounds(per, ref)
+
+
+def _pool_rounds(per: Dict[str, List[float]], ref: str) -> Dict[str, Optional[RoundRatio]]:
+    """Per allocator, its per-round ratios to the reference pooled by geometric mean (two
+    rounds at least), over the faster baseline's pooled ratio, with the per-round range."""
+    pooled = {a: paired_ratios(v) + (len(v),) for a, v in per.items() if len(v) >= 2}
     base = [pooled[b][0] for b in ("native", "expandable") if b in pooled]
     if not base:
-        return out
+        return {a: None for a in per}
     best = min(base)
-    for a, (g, lo, hi, n) in pooled.items():
-        out[a] = (g / best, lo, hi, n, ref)
-    return out
+    return {a: ((pooled[a][0] / best,) + pooled[a][1:] + (ref,) if a in pooled else None) for a in per}
+
+
+def mixed_round_ratios(res: Results) -> Dict[str, Optional[RoundRatio]]:
+    """`round_step_ratios` for the latency benchmark's random mixed pattern (`bench_round`):
+    each round's ns per pair against the reference baseline's run of the same round, pooled,
+    over the faster baseline's pooled ratio. Empty without two rounds."""
+    mixed = res.of("latency", test="mixed")
+    rounds = sorted({r["bench_round"] for r in mixed if r.get("bench_round") is not None})
+    if len(rounds) < 2:
+        return {}
+
+    def pair_ns(a: str, x: int) -> Optional[float]:
+        r = res.one("latency", allocator=a, test="mixed", bench_round=x)
+        return r.get("ns_per_pair") if r and (r.get("ns_per_pair") or 0) > 0 else None
+
+    ref = next((b for b in ("native", "expandable") if all(pair_ns(b, x) for x in rounds)), None)
+    if ref is None:
+        return {}
+    per = {}
+    for a in sorted({r.get("allocator") for r in mixed if r.get("allocator")}):
+        got = [(pair_ns(a, x), pair_ns(ref, x)) for x in rounds]
+        per[a] = [v / w for v, w in got if v is not None]
+    return _pool_rounds(per, ref)
 
 
 def rounds_note(pooled: Optional[RoundRatio]) -> str:
@@ -617,6 +642,13 @@ def latency_lines(res: Results) -> List[str]:
         lines += table(["allocator", "ns/op", "alloc p50 ns", "alloc p99 ns", "alloc max",
                         "device allocations (timed part)", "peak reserved", "utilization"], rows)
         lines.append("")
+        pooled = mixed_round_ratios(res)
+        if any(pooled.values()):
+            lines.append("The table is the last round's. Over the rounds (`BENCH_ROUNDS`, each round's ns "
+                         "per pair against the reference's run of that round, pooled, over the faster "
+                         "baseline's): " + "; ".join(f"{a} {rounds_note(v)}" for a, v in pooled.items() if v)
+                         + ".")
+            lines.append("")
     for r in res.of("latency_check"):
         if r.get("expandable_segments_seen") is False:
             lines.append("**Warning:** the expandable run saw no expandable segment: its numbers are native's.")
@@ -869,6 +901,12 @@ def summary(res: Results) -> str:
             r = res.one("latency", allocator=a, test="mixed")
             vals.append(fnum(r.get("ns_per_op") if r else None, "{:.0f}"))
         out.append("mixed ns/op:     " + "".ljust(10) + "".join(f"{v:>12}" for v in vals))
+        pooled = mixed_round_ratios(res)
+        if any(pooled.values()):
+            out.append("mixed over rounds (per pair, over the faster baseline, pooled):")
+            for a, v in pooled.items():
+                if v:
+                    out.append(f"  {a:<12}{rounds_note(v)}")
     for r in res.of("latency_error"):
         out.append(f"latency error ({r.get('allocator')}): {r.get('error')}")
     st = res.of("stitch", test="stitch")

@@ -21,13 +21,16 @@
 #   BENCH_ALLOCATORS allocators, run in this order per workload (default: "native expandable
 #                   gmlake native2"; native2 is native again, whose ratio to native is the noise;
 #                   gmlake+key:value,... is gmlake with that GMLAKE_CONF, labelled so)
-#   BENCH_ROUNDS    rounds of the workloads (default 1): each workload runs its allocators
+#   BENCH_ROUNDS    rounds (default 1): each workload runs its allocators
 #                   N times, round after round, each round's order rotated by one (round 2
 #                   starts with the second allocator; the largest-batch search in the first
 #                   round only); report.py pools each allocator's ratio to native's run of
 #                   the same round (geometric mean), then divides by the faster baseline's.
 #                   One process's step times can sit 20-40% from another's of the same
-#                   allocator on a shared host, so one round cannot show 2%
+#                   allocator on a shared host, so one round cannot show 2%. The latency
+#                   benchmark runs in rounds too (rotated; after the first, the random mixed
+#                   pattern only), its records marked `bench_round`
+#   BENCH_LATENCY_BIN a built bench/latency to run instead of building one
 #   BENCH_STEPS     measured steps of every workload (overrides the defaults and quick mode;
 #                   a workload's timeout grows with it past the workload's default steps)
 #   BENCH_NO_SEARCH=1 skip the largest-batch searches (step times and driver calls only)
@@ -124,7 +127,10 @@ log "environment: $(tail -n 1 "$RES" | cut -c1-400)"
 
 # ---- C++ latency benchmark
 lat_bin=build/bench/latency
-if [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
+if [ -n "${BENCH_LATENCY_BIN:-}" ]; then
+  lat_bin=$BENCH_LATENCY_BIN
+  log "latency benchmark: $lat_bin (BENCH_LATENCY_BIN, not built)"
+elif [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
   log "building $lat_bin"
   if ! bash bench/build-latency.sh build/bench >>"$LOG" 2>&1; then
     log "ERROR: building the latency benchmark failed (see run.log)"
@@ -135,8 +141,13 @@ fi
 
 lat_args=()
 [ "$QUICK" = 1 ] && lat_args+=(--quick)
-run_latency() { # allocator
-  local a=$1 t
+run_latency() { # allocator round
+  local a=$1 round=$2 t rc=0 rfield="" flags=()
+  # With rounds, the records of a run say its round as `bench_round` (the stitch test's
+  # records have a `round` of their own), and rounds after the first time only the random
+  # mixed pattern: the test whose allocators differ by far less than one run's noise.
+  [ "$ROUNDS" -gt 1 ] && rfield=",\"bench_round\":$round"
+  [ "$round" -gt 1 ] && flags+=(--no-fixed --no-stitch)
   t=$(left)
   if [ "$t" -lt 40 ]; then
     log "skipping latency/$a: ${t}s left"
@@ -144,22 +155,36 @@ run_latency() { # allocator
     return
   fi
   [ "$t" -gt 120 ] && t=120
-  log "latency/$a (timeout ${t}s)"
-  local rc=0
+  log "latency/$a$([ "$ROUNDS" -gt 1 ] && echo " round $round/$ROUNDS") (timeout ${t}s)"
+  local part=$OUT/latency.part.jsonl
+  : >"$part"
   case $a in
-  native | native2) timeout -k 5 "$t" "$lat_bin" --allocator native --out "$RES" ${lat_args[@]+"${lat_args[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
+  native | native2) timeout -k 5 "$t" "$lat_bin" --allocator native --out "$part" ${lat_args[@]+"${lat_args[@]}"} \
+    ${flags[@]+"${flags[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
   expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout -k 5 "$t" "$lat_bin" --allocator expandable \
-    --out "$RES" ${lat_args[@]+"${lat_args[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
-  gmlake) timeout -k 5 "$t" "$lat_bin" --allocator gmlake --lib "$lib" --conf "" --out "$RES" ${lat_args[@]+"${lat_args[@]}"} \
-    >>"$LOG" 2>&1 || rc=$? ;;
+    --out "$part" ${lat_args[@]+"${lat_args[@]}"} ${flags[@]+"${flags[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
+  gmlake) timeout -k 5 "$t" "$lat_bin" --allocator gmlake --lib "$lib" --conf "" --out "$part" ${lat_args[@]+"${lat_args[@]}"} \
+    ${flags[@]+"${flags[@]}"} >>"$LOG" 2>&1 || rc=$? ;;
+  *) log "latency: no run for allocator $a"; rc=2 ;;
   esac
+  if [ "$ROUNDS" -gt 1 ]; then
+    sed "s/^{/{\"bench_round\":$round,/" "$part" >>"$RES"
+  else
+    cat "$part" >>"$RES"
+  fi
+  rm -f "$part"
   if [ "$rc" != 0 ]; then
     log "latency/$a exited with $rc"
-    record "{\"kind\":\"failed\",\"what\":\"latency\",\"allocator\":\"$a\",\"rc\":$rc}"
+    record "{\"kind\":\"failed\",\"what\":\"latency\",\"allocator\":\"$a\",\"rc\":$rc$rfield}"
   fi
 }
 if [ -n "$lat_bin" ] && [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
-  for a in $ALLOCATORS; do [ "$a" = native2 ] || run_latency "$a"; done
+  lat_order=()
+  for a in $ALLOCATORS; do [ "$a" = native2 ] || lat_order+=("$a"); done
+  for round in $(seq 1 "$ROUNDS"); do
+    k=$(((round - 1) % ${#lat_order[@]}))
+    for a in "${lat_order[@]:k}" "${lat_order[@]:0:k}"; do run_latency "$a" "$round"; done
+  done
 fi
 
 # ---- raw driver costs: rust/gmlake-cuda's vmm_probe example, when a build of it was carried
@@ -191,7 +216,7 @@ run_workload() { # workload allocator round
   t=$(left)
   if [ "$t" -lt 30 ]; then
     log "skipping $w/$a: ${t}s left"
-    record "{\"kind\":\"skipped\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"why\":\"budget\"}"
+    record "{\"kind\":\"skipped\",\"what\":\"workload\",\"workload\":\"$w\",\"allocator\":\"$a\",\"why\":\"budget\"$rfield}"
     return
   fi
   local cap base

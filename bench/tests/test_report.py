@@ -935,3 +935,62 @@ def test_round_is_recorded_and_a_negative_round_is_refused(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert json.loads(out.read_text().splitlines()[0])["round"] == 2
+
+
+def test_mixed_pattern_rounds_are_pooled():
+    """The latency benchmark's mixed pattern in rounds (`bench_round`): each round's ns per
+    pair against native's of the same round, pooled, over the faster baseline's; the table
+    rows are the last round's."""
+    recs = [{"kind": "env", "gpu": "FAKE", "driver": "1", "torch": "2.11.0", "date": "today"}]
+    for rnd, speed in ((1, 1.0), (2, 1.6), (3, 0.9)):
+        for a, x in (("native", 1.0), ("expandable", 1.2), ("gmlake", 1.1 if rnd != 2 else 1.4)):
+            recs.append({"kind": "latency", "allocator": a, "test": "mixed", "bench_round": rnd,
+                         "ns_per_pair": 1000 * speed * x, "ns_per_op": 500 * speed * x, "live": 10,
+                         "min_size": 512, "max_size": 1 << 20, "ops_pairs": 10, "warm_pairs": 2,
+                         "peak_active_bytes": GiB, "peak_reserved_bytes": GiB})
+    recs.append({"kind": "latency", "allocator": "native", "test": "fixed", "size": 512, "ns_per_pair": 300,
+                 "bench_round": 1})
+    res = report.Results(recs)
+    pooled = report.mixed_round_ratios(res)
+    g, lo, hi, n, ref = pooled["gmlake"]
+    assert abs(g - (1.1 * 1.4 * 1.1) ** (1 / 3)) < 1e-9 and (n, ref) == (3, "native"), pooled
+    assert abs(lo - 1.1) < 1e-9 and abs(hi - 1.4) < 1e-9
+    assert abs(pooled["expandable"][0] - 1.2) < 1e-9 and abs(pooled["native"][0] - 1.0) < 1e-9
+    assert res.one("latency", allocator="gmlake", test="mixed")["bench_round"] == 3
+    text = report.summary(res)
+    assert "mixed over rounds" in text and "gmlake      3 rounds: 1.192 (native's 1.100-1.400)" in text, text
+    md = "\n".join(report.latency_lines(res))
+    assert "gmlake 3 rounds: 1.192 (native's 1.100-1.400)" in md, md
+    # One round: nothing pooled.
+    assert report.mixed_round_ratios(report.Results([r for r in recs if r.get("bench_round") == 1])) == {}
+
+
+def test_run_gpu_runs_the_latency_benchmark_in_rounds(tmp_path):
+    """BENCH_ROUNDS=3 with a latency binary given (BENCH_LATENCY_BIN, a stand-in here): the
+    allocators run rotated, native2 not at all, rounds after the first with the mixed pattern
+    only, and every record carries its `bench_round`."""
+    log = tmp_path / "argv.log"
+    fake = tmp_path / "latency"
+    fake.write_text("#!/bin/bash\n"
+                    "echo \"$*\" >> " + str(log) + "\n"
+                    "out=''; a=''; while [ $# -gt 0 ]; do case $1 in --out) out=$2; shift;; "
+                    "--allocator) a=$2; shift;; esac; shift; done\n"
+                    "echo '{\"kind\":\"latency\",\"allocator\":\"'$a'\",\"test\":\"mixed\",\"ns_per_pair\":1000,"
+                    "\"ns_per_op\":500}' >> \"$out\"\n")
+    fake.chmod(0o755)
+    lib = tmp_path / "libgmlake_torch.so"
+    lib.write_text("")
+    env = dict(os.environ, OUT=str(tmp_path / "out"), BENCH_NO_WORKLOADS="1", BENCH_LATENCY_BIN=str(fake),
+               BENCH_ALLOCATORS="native expandable gmlake native2", BENCH_ROUNDS="3", BENCH_BUDGET_S="600")
+    r = subprocess.run(["bash", str(BENCH / "run-gpu.sh"), str(lib)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    runs = log.read_text().splitlines()
+    got = [(x.split("--allocator ")[1].split()[0], "--no-fixed --no-stitch" in x) for x in runs]
+    assert got == [("native", False), ("expandable", False), ("gmlake", False),
+                   ("expandable", True), ("gmlake", True), ("native", True),
+                   ("gmlake", True), ("native", True), ("expandable", True)], runs
+    recs = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    lat = [(x["allocator"], x["bench_round"]) for x in recs if x.get("kind") == "latency"]
+    assert lat == [("native", 1), ("expandable", 1), ("gmlake", 1), ("expandable", 2), ("gmlake", 2),
+                   ("native", 2), ("gmlake", 3), ("native", 3), ("expandable", 3)], lat
