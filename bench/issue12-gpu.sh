@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call for issue 12's measurements: the allocation-heavy workloads interleaved
-# (native, expandable, gmlake, native2), the latency benchmark's random mixed pattern per
-# allocator, and the cost of the debug mode on the LoRA job. Writes under $OUT/bench.
+# (native, expandable, gmlake, native2; BENCH_ROUNDS for rounds), the latency benchmark's
+# random mixed pattern per allocator in LATENCY_ROUNDS rotated rounds (default 3), and the
+# cost of the debug mode on the LoRA job. Writes under $OUT/bench.
 #   bash bench/issue12-gpu.sh .artifacts/gpu/libgmlake_torch.so
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,16 +13,27 @@ export PYTHONPATH=python PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DI
 OUT=$O BENCH_NO_LATENCY=1 BENCH_NO_SEARCH=1 BENCH_STEPS=${BENCH_STEPS:-15} \
   BENCH_WORKLOADS=${BENCH_WORKLOADS:-"stress llm_lora"} BENCH_BUDGET_S=${BENCH_BUDGET_S:-300} \
   bash bench/run-gpu.sh "$lib" 2>&1 | tail -25
-echo "== latency, random mixed pattern (200k operations, 10k live)"
+echo "== latency, random mixed pattern (200k operations, 10k live), ${LATENCY_ROUNDS:-3} rounds rotated"
 if bash bench/build-latency.sh build/bench >"$O/latency-build.log" 2>&1; then
-  for a in native expandable gmlake; do
-    case $a in
-      native) env -u PYTORCH_CUDA_ALLOC_CONF timeout 60 build/bench/latency --allocator native --no-fixed --no-stitch --mixed-ops 200000 --out "$O/latency.jsonl" ;;
-      expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 60 build/bench/latency --allocator expandable --no-fixed --no-stitch --mixed-ops 200000 --out "$O/latency.jsonl" ;;
-      gmlake) timeout 60 build/bench/latency --allocator gmlake --lib "$lib" --conf "" --no-fixed --no-stitch --mixed-ops 200000 --out "$O/latency.jsonl" ;;
-    esac >>"$O/latency.log" 2>&1 || echo "latency/$a exited with $?"
+  # Rounds rotated (one run's ns per pair moves by 20-60% on a shared host): each round's
+  # records marked `bench_round`, pooled by bench/report.py (each round against native's).
+  order=(native expandable gmlake)
+  : >"$O/latency.jsonl"
+  for round in $(seq 1 "${LATENCY_ROUNDS:-3}"); do
+    k=$(((round - 1) % 3))
+    for a in "${order[@]:k}" "${order[@]:0:k}"; do
+      part=$O/latency.part.jsonl
+      : >"$part"
+      case $a in
+        native) env -u PYTORCH_CUDA_ALLOC_CONF timeout 60 build/bench/latency --allocator native --no-fixed --no-stitch --mixed-ops 200000 --out "$part" ;;
+        expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 60 build/bench/latency --allocator expandable --no-fixed --no-stitch --mixed-ops 200000 --out "$part" ;;
+        gmlake) timeout 60 build/bench/latency --allocator gmlake --lib "$lib" --conf "" --no-fixed --no-stitch --mixed-ops 200000 --out "$part" ;;
+      esac >>"$O/latency.log" 2>&1 || echo "latency/$a exited with $?"
+      sed "s/^{/{\"bench_round\":$round,/" "$part" >>"$O/latency.jsonl"
+      rm -f "$part"
+    done
   done
-  tail -n 3 "$O/latency.jsonl" | cut -c1-600
+  python3 bench/report.py --summary "$O/latency.jsonl" | sed -n '/^mixed/,/^$/p'
 else
   tail -5 "$O/latency-build.log"
 fi

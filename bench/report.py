@@ -887,8 +887,8 @@ def summary(res: Results) -> str:
             out.append(f"{w:<14}{a:<12}{act:>10}{rs:>10}{ut:>7}{st:>9}{ra:>7}{cs:>10}{m:>9}  {note.strip()}")
     out.append("")
     fixed = res.of("latency", test="fixed")
+    allocs = [a for a in res.allocators() if res.of("latency", allocator=a)]
     if fixed:
-        allocs = [a for a in res.allocators() if res.of("latency", allocator=a)]
         out.append("latency ns/pair: " + "size".ljust(10) + "".join(f"{a:>12}" for a in allocs))
         for s in sorted({r["size"] for r in fixed}):
             vals = []
@@ -896,6 +896,10 @@ def summary(res: Results) -> str:
                 r = res.one("latency", allocator=a, test="fixed", size=s)
                 vals.append(fnum(r.get("ns_per_pair") if r else None, "{:.0f}"))
             out.append(" " * 17 + fsize(s).ljust(10) + "".join(f"{v:>12}" for v in vals))
+    if res.of("latency", test="mixed"):
+        # The mixed pattern alone (bench/issue12-gpu.sh's runs) is shown too.
+        if not fixed:
+            out.append("latency:         " + "".ljust(10) + "".join(f"{a:>12}" for a in allocs))
         vals = []
         for a in allocs:
             r = res.one("latency", allocator=a, test="mixed")

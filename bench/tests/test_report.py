@@ -961,6 +961,9 @@ def test_mixed_pattern_rounds_are_pooled():
     assert "mixed over rounds" in text and "gmlake      3 rounds: 1.192 (native's 1.100-1.400)" in text, text
     md = "\n".join(report.latency_lines(res))
     assert "gmlake 3 rounds: 1.192 (native's 1.100-1.400)" in md, md
+    # Without the fixed-size test (bench/issue12-gpu.sh runs the mixed pattern alone) too.
+    alone = report.summary(report.Results([r for r in recs if r.get("test") != "fixed"]))
+    assert "mixed ns/op" in alone and "gmlake      3 rounds: 1.192" in alone, alone
     # One round: nothing pooled.
     assert report.mixed_round_ratios(report.Results([r for r in recs if r.get("bench_round") == 1])) == {}
 
