@@ -7,6 +7,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 lib=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+if ! [[ "${LATENCY_ROUNDS:-3}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "issue12-gpu: LATENCY_ROUNDS must be a whole number of rounds, 1 or more, not '${LATENCY_ROUNDS}'" >&2
+  exit 2
+fi
 O=${OUT:-bench/out}/bench
 mkdir -p "$O"
 export PYTHONPATH=python PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
