@@ -179,8 +179,12 @@ run_latency() { # allocator round
   fi
 }
 if [ -n "$lat_bin" ] && [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
+  # native2 is native's second workload run; a gmlake+key:value label has no latency run (the
+  # binary's records name the allocator only), as before rounds.
   lat_order=()
-  for a in $ALLOCATORS; do [ "$a" = native2 ] || lat_order+=("$a"); done
+  for a in $ALLOCATORS; do
+    case $a in native2 | gmlake+*) ;; *) lat_order+=("$a") ;; esac
+  done
   for round in $(seq 1 "$ROUNDS"); do
     k=$(((round - 1) % ${#lat_order[@]}))
     for a in "${lat_order[@]:k}" "${lat_order[@]:0:k}"; do run_latency "$a" "$round"; done

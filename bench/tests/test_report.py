@@ -970,8 +970,9 @@ def test_mixed_pattern_rounds_are_pooled():
 
 def test_run_gpu_runs_the_latency_benchmark_in_rounds(tmp_path):
     """BENCH_ROUNDS=3 with a latency binary given (BENCH_LATENCY_BIN, a stand-in here): the
-    allocators run rotated, native2 not at all, rounds after the first with the mixed pattern
-    only, and every record carries its `bench_round`."""
+    allocators run rotated, native2 and gmlake+key:value labels not at all (nothing failed),
+    rounds after the first with the mixed pattern only, and every record carries its
+    `bench_round`."""
     log = tmp_path / "argv.log"
     fake = tmp_path / "latency"
     fake.write_text("#!/bin/bash\n"
@@ -984,7 +985,8 @@ def test_run_gpu_runs_the_latency_benchmark_in_rounds(tmp_path):
     lib = tmp_path / "libgmlake_torch.so"
     lib.write_text("")
     env = dict(os.environ, OUT=str(tmp_path / "out"), BENCH_NO_WORKLOADS="1", BENCH_LATENCY_BIN=str(fake),
-               BENCH_ALLOCATORS="native expandable gmlake native2", BENCH_ROUNDS="3", BENCH_BUDGET_S="600")
+               BENCH_ALLOCATORS="native expandable gmlake gmlake+page_size:16MiB native2", BENCH_ROUNDS="3",
+               BENCH_BUDGET_S="600")
     r = subprocess.run(["bash", str(BENCH / "run-gpu.sh"), str(lib)], env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr + r.stdout
@@ -997,3 +999,4 @@ def test_run_gpu_runs_the_latency_benchmark_in_rounds(tmp_path):
     lat = [(x["allocator"], x["bench_round"]) for x in recs if x.get("kind") == "latency"]
     assert lat == [("native", 1), ("expandable", 1), ("gmlake", 1), ("expandable", 2), ("gmlake", 2),
                    ("native", 2), ("gmlake", 3), ("native", 3), ("expandable", 3)], lat
+    assert not [x for x in recs if x.get("kind") == "failed"], recs
