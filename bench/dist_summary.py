@@ -2,9 +2,11 @@
 """The summary of bench/dist-gpu.sh's runs: one line per run and rank (utilization, median
 step, peak reserved, gmlake's driver calls and own time a step after warm-up, stream waits,
 alias evictions, last loss), then, per job and gmlake configuration, its step against the
-faster native run of the same pass through the allocator list (native, gmlake..., native
-again), pass by pass: the host's speed drifts between passes by more than the allocators
-differ, so only runs of one pass are compared.
+native runs of the same pass through the allocator list (native, gmlake..., native again;
+their geometric mean), pass by pass: the host's speed drifts between passes by more than the
+allocators differ, so only runs of one pass are compared. (Until the twenty-sixth session it
+was the faster native run of the pass, which reads every gmlake run slower than it is by
+about half the spread between the two native runs.)
 
     python3 bench/dist_summary.py OUT_DIR
 
@@ -62,14 +64,16 @@ def run_lines(runs):
 
 
 def rounds(runs):
-    """{(mode, name): {rank: [(pass, ratio)]}}: each gmlake run's median step over the faster
-    native run (native or native2) of its pass and rank; passes without a native run are left
-    out."""
-    native = {}
+    """{(mode, name): {rank: [(pass, ratio)]}}: each gmlake run's median step over the
+    geometric mean of the native runs (native, native2) of its pass and rank; passes without a
+    native run are left out. The mean, not the faster: two runs of one allocator differ by
+    noise alone, and the faster of them is faster than native's typical run, which read every
+    other allocator slower than it is (docs/benchmarks.md, twenty-sixth session)."""
+    logs = {}
     for mode, name, p, rank, d, _ in runs:
         if name.startswith("native"):
-            key = (mode, p, rank)
-            native[key] = min(native.get(key, math.inf), d["median_step_ms"])
+            logs.setdefault((mode, p, rank), []).append(math.log(d["median_step_ms"]))
+    native = {k: math.exp(sum(v) / len(v)) for k, v in logs.items()}
     out = {}
     for mode, name, p, rank, d, _ in runs:
         if name.startswith("native") or (mode, p, rank) not in native:
@@ -86,8 +90,9 @@ def round_table(runs):
     if not r:
         return []
     by = {(m, n, p, k): d for m, n, p, k, d, _ in runs}
-    lines = ["| job | gmlake run | conf | rank | passes | step / faster native of the pass "
-             "(geometric mean) | range | utilization | calls a step | allocator ms a step |",
+    lines = ["| job | gmlake run | conf | rank | passes | step / native runs of the pass (their "
+             "geometric mean; over the passes, geometric mean) | range | utilization | calls a step | "
+             "allocator ms a step |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for (mode, name), ranks in sorted(r.items()):
         for rank, ratios in sorted(ranks.items()):

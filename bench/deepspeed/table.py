@@ -21,10 +21,14 @@ four H200s had a step in which two ranks each spent 628 ms in gmlake's calls.
 The runs of one call move together (the host's speed drifts within a call by more than the
 allocators differ), so each row also compares its allocator round by round: run k of an
 allocator against run k of the baselines in the same results file (run.sh's k-th pass over the
-allocator list), the faster of them, in every round where all the strategy's baselines ran; the
-column gives the geometric mean of those ratios, their range and the number of rounds. In the
-eighteenth session LR's rounds ran gmlake at 0.87-1.07x, while native's own runs spread over
-1,545-2,390 ms.
+allocator list), in every round where all the strategy's baselines ran: each run against the
+geometric mean of the round's native runs (native, native2), the ratios pooled by geometric
+mean, then over the faster baseline's pooled ratio (expandable segments' pooled the same way);
+the column gives that, the range of the ratios to native and the number of rounds. (Until the
+twenty-sixth session each round's ratio was to the faster baseline run of the round, which
+reads every other allocator slower than it is: the faster of several noisy runs beats their
+typical run.) In the eighteenth session LR's rounds ran gmlake at 0.87-1.07x, while native's
+own runs spread over 1,545-2,390 ms.
 
 Runs made with `EXTRA_ARGS="--profile-step N"` get a second table, one row per run and rank
 (rank 0 from the results file, rank k from its `.rankK` sibling): the profiled step's wall
@@ -34,6 +38,7 @@ more (count, total, largest; they are also on their own track of the step's trac
 where each allocator's step goes."""
 
 import glob
+import math
 import os
 import re
 import statistics
@@ -120,29 +125,47 @@ def profile_rows(path: str):
 
 
 def paired(runs, tag, groups) -> str:
-    """The geometric mean of the runs' round-by-round ratios to the faster baseline of the same
-    round (see the module's doc), with their range and count: "-" where no round has every
-    baseline of the strategy. Rounds are (results file, pass) as `main` numbers them."""
+    """Round by round: each run's median step over the geometric mean of the native runs
+    (native, native2) of the same round, in rounds where every baseline of the strategy ran;
+    the geometric mean of those ratios over the faster baseline's (native's is 1 by
+    construction, expandable segments' pooled the same way), with the range of the ratios to
+    native and their count; "-" where no round qualifies. Rounds are (results file, pass) as
+    `main` numbers them. The faster baseline is picked after pooling, not round by round:
+    the faster of several noisy runs beats each one's typical run, and picking it per round
+    read every other allocator slower than it is (docs/benchmarks.md, twenty-sixth
+    session)."""
     bases = [a for a in BASELINES if (tag, a) in groups]
-    ratios = []
-    for r in runs:
-        if not (r.get("ok") and r.get("median_step_s")) or "_round" not in r:
-            continue
-        best = []
-        for a in bases:
-            same = [b["median_step_s"] for b in groups[(tag, a)]
-                    if b.get("_round") == r["_round"] and b.get("ok") and b.get("median_step_s")]
-            if not same:
-                break
-            best.extend(same)
-        else:
-            if best:
-                ratios.append(r["median_step_s"] / min(best))
+    natives = [a for a in bases if a.startswith("native")]
+    if not natives:
+        return "-"
+
+    def steps(a, rnd):
+        return [b["median_step_s"] for b in groups[(tag, a)]
+                if b.get("_round") == rnd and b.get("ok") and b.get("median_step_s")]
+
+    def reference(rnd):
+        if any(not steps(a, rnd) for a in bases):
+            return None
+        logs = [math.log(x) for a in natives for x in steps(a, rnd)]
+        return math.exp(sum(logs) / len(logs))
+
+    def ratios_of(rs):
+        out = []
+        for r in rs:
+            if r.get("ok") and r.get("median_step_s") and "_round" in r:
+                ref = reference(r["_round"])
+                if ref:
+                    out.append(r["median_step_s"] / ref)
+        return out
+
+    ratios = ratios_of(runs)
     summary = report.paired_ratios(ratios)
     if summary is None:
         return "-"
+    best = min([1.0] + [report.paired_ratios(v)[0] for a in bases if not a.startswith("native")
+                        for v in [ratios_of(groups[(tag, a)])] if v])
     g, lo, hi = summary
-    return f"{g:.3f} ({lo:.3f}-{hi:.3f}, {len(ratios)})"
+    return f"{g / best:.3f} ({lo:.3f}-{hi:.3f}, {len(ratios)})"
 
 
 def machine_rows(paths) -> list:

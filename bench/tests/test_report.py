@@ -730,6 +730,33 @@ def test_zero3_table_compares_round_by_round(tmp_path):
     assert "(0." not in n, n  # baselines get no round-by-round figure
 
 
+def test_zero3_table_rounds_measure_against_the_native_runs_not_the_faster_one(tmp_path):
+    """With native2 in the rounds, each gmlake run is measured against the geometric mean of
+    its round's native runs, and the faster baseline is picked after pooling: the faster run of
+    each round would read gmlake 1.087 here, where it runs as native's runs do."""
+    sys.path.insert(0, str(BENCH / "deepspeed"))
+    import contextlib
+    import io
+
+    import table
+
+    def run(a, s):
+        return {"kind": "workload", "tag": "zero3-LR", "allocator": a, "ok": True,
+                "median_step_s": s, "step_times_s": [s], "peak_active_bytes": 9 * GiB,
+                "peak_reserved_bytes": 10 * GiB, "model": {"losses": [1.0]}}
+    recs = [run("native", 1.0), run("native2", 0.8), run("expandable", 1.2), run("gmlake", 0.9),
+            run("native", 2.0), run("native2", 2.2), run("expandable", 2.1), run("gmlake", 2.1)]
+    p = tmp_path / "a.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in recs))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert table.main(str(p)) == 0
+    g = next(x for x in buf.getvalue().splitlines() if x.startswith("| LR | gmlake |"))
+    # 0.9 / sqrt(1.0 * 0.8) = 1.006 and 2.1 / sqrt(2.0 * 2.2) = 1.001; expandable pools to
+    # 1.159, so native (1 by construction) is the faster baseline.
+    assert "1.004 (1.001-1.006, 2)" in g, g
+
+
 def test_zero3_table_pools_steps_and_merges_runs(tmp_path):
     """The median of every measured step beside the median of the runs' medians (one slow run
     moves the first by one step, the second by the whole run); with --merge, native2's runs join
