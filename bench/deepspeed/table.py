@@ -244,7 +244,8 @@ def main(*paths: str, merge: bool = False) -> int:
         ["strategy", "allocator", "runs", "peak active", "peak reserved", "utilization",
          "median step (spread)", "vs faster baseline", "median of all steps (steps)",
          "vs faster baseline, all steps",
-         "vs faster baseline, round by round (range, rounds)", "losses equal native's",
+         "vs faster baseline, round by round (range against the round's native runs, rounds)",
+         "losses equal native's",
          "driver calls a step", "of them VMM (map, unmap, access, create, release)",
          "allocator ms a step", "slowest gmlake call (where its time went)"], rows)))
     if search:
