@@ -245,36 +245,30 @@ def step_ratios(res: Results, workload: str, rnd: Any = "last") -> Dict[str, Opt
 
 
 def paired_step_ratios(res: Results, workload: str, rnd: Any = "last") -> Dict[str, Optional[float]]:
-    """Per allocator, the median over steps of each step's time over the faster baseline's
-    (native's or expandable segments') time for the same step. The workloads draw seeded
-    shapes, so step i is the same work in every run, and steps of very different sizes (moe's
-    token counts, conv's image sizes) stop weighing on which step lands at a run's median.
-    None where the run or both baselines have no step times, or their steps differ (in
-    number, or in the shapes recorded). In round `rnd` (`Results.run`)."""
+    """Per allocator, the median over steps of each step's time over the reference baseline's
+    (native's, else expandable segments') time for the same step, over the same figure of the
+    faster baseline. The workloads draw seeded shapes, so step i is the same work in every
+    run, and steps of very different sizes (moe's token counts, conv's image sizes) stop
+    weighing on which step lands at a run's median. The faster baseline is picked from the
+    baselines' medians, not step by step: the faster of two noisy steps beats either's typical
+    step, and picking it per step read every other allocator slower than it ran. None where
+    the run or both baselines have no step times, or their steps differ (in number, or in the
+    shapes recorded). In round `rnd` (`Results.run`)."""
     runs = {}
     for a in res.allocators():
         r = res.run(workload, a, rnd)
         if r and r.get("ok") and r.get("step_times_s"):
             runs[a] = r
     out: Dict[str, Optional[float]] = {a: None for a in res.allocators()}
-    base = [runs[a] for a in ("native", "expandable") if a in runs]
+    base = [a for a in ("native", "expandable") if a in runs]
     if not base:
         return out
-    ref = base[0]
-    n = len(ref["step_times_s"])
-
-    def same_steps(r: Dict[str, Any]) -> bool:
-        shapes, ref_shapes = r.get("shapes"), ref.get("shapes")
-        return len(r["step_times_s"]) == n and (shapes is None or ref_shapes is None or shapes == ref_shapes)
-
-    if not all(same_steps(b) for b in base):
+    to_ref = {a: _ratios_to(r, runs[base[0]])[0] for a, r in runs.items()}
+    if any(to_ref[b] is None for b in base):
         return out
-    best = [min(b["step_times_s"][i] for b in base) for i in range(n)]
-    if any(x <= 0 for x in best):
-        return out
-    for a, r in runs.items():
-        if same_steps(r):
-            out[a] = statistics.median(r["step_times_s"][i] / best[i] for i in range(n))
+    best = min(to_ref[b] for b in base)
+    for a, x in to_ref.items():
+        out[a] = x / best if x is not None and best > 0 else None
     return out
 
 

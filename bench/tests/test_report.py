@@ -834,6 +834,27 @@ def test_paired_step_ratios_compare_each_step_with_the_same_step():
     assert all(v is None for v in report.paired_step_ratios(report.Results(recs), "moe").values())
 
 
+def test_paired_step_ratios_pick_the_faster_baseline_after_the_median():
+    """Native and expandable segments take turns being faster, step by step, by the same
+    factor, and gmlake runs exactly as native: the faster baseline of each step would read
+    gmlake 1.25 in half the steps (median 1.125 here); against native, then over the faster
+    baseline's median, it reads 1.000, as native does."""
+    shapes = [{"tokens": t} for t in (100, 200, 300, 400)]
+    native = [0.10, 0.20, 0.30, 0.40]
+    expandable = [x * f for x, f in zip(native, (0.8, 1.25, 0.8, 1.25))]
+    recs = [{"kind": "env", "gpu": "FAKE", "driver": "1", "torch": "2.11.0", "date": "today"}]
+    for a, st in (("native", native), ("expandable", expandable), ("gmlake", list(native))):
+        recs.append({"kind": "workload", "workload": "moe", "allocator": a, "ok": True, "steps": 4,
+                     "warmup": 1, "median_step_s": statistics.median(st), "step_times_s": st,
+                     "shapes": shapes, "peak_active_bytes": GiB, "peak_reserved_bytes": GiB,
+                     "utilization": 1.0})
+    paired = report.paired_step_ratios(report.Results(recs), "moe")
+    assert abs(paired["gmlake"] - 1.0) < 1e-9 and abs(paired["native"] - 1.0) < 1e-9, paired
+    assert abs(paired["expandable"] - (0.8 + 1.25) / 2) < 1e-9, paired  # median of 4 ratios
+    per_step_min = statistics.median(g / min(n, e) for g, n, e in zip(native, native, expandable))
+    assert abs(per_step_min - 1.125) < 1e-9
+
+
 def _rounds_records(gmlake_by_round, native2_by_round=None, expandable_by_round=None):
     """A moe workload run in rounds: native's steps scale by a per-round host speed; the
     others' are their round's native steps times the given ratios (expandable 1.5 unless
