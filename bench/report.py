@@ -565,7 +565,7 @@ def workload_lines(res: Results) -> List[str]:
             ])
         unit = UNITS.get(w, "")
         lines += table(["allocator", "peak active", "peak reserved", "utilization", "median step",
-                        "step vs best of native/expandable (paired: median of step-by-step ratios)",
+                        "step vs best of native/expandable (paired: median of step-by-step ratios to native, over the faster baseline's)",
                         "driver calls per step (median, after warm-up; of them VMM: map, unmap, access, create, release)",
                         f"largest batch ({unit})" if unit else "largest batch",
                         "notes"], rows)
