@@ -7,7 +7,8 @@ With REPEAT > 1 (run.sh runs the allocator list that many times, interleaved) ea
 gathers an allocator's runs: the step is the median of the runs' medians, with the spread
 (fastest and slowest run) beside it, so that the noise between runs can be read next to the
 differences between allocators; the utilization is the lowest of the runs and the peaks the
-highest. The faster baseline is the fastest of native, native2 and expandable.
+highest. The faster baseline is the faster of native (native2's runs counted with native's:
+the faster of two runs of one allocator would be a biased pick) and expandable.
 
 gmlake's rows also give its driver calls a step and, when it ran with `host_timing:1`
 (`ALLOCATORS="gmlake+host_timing:1"`), the allocator's own time a step (allocations and frees,
@@ -209,9 +210,15 @@ def main(*paths: str, merge: bool = False) -> int:
     rows = []
     for (tag, alloc), runs in groups.items():
         strat = tag.replace("zero3-", "")
-        base = [step(groups[(tag, a)]) for a in BASELINES if (tag, a) in groups]
+        # The baselines' runs by allocator, native2's with native's: the faster of two runs of
+        # one allocator is faster than its typical run, so native2 is not a baseline of its own.
+        by_base: dict = {}
+        for a in BASELINES:
+            if (tag, a) in groups:
+                by_base.setdefault("native" if a.startswith("native") else a, []).extend(groups[(tag, a)])
+        base = [step(v) for v in by_base.values()]
         best = min((b[0] for b in base if b), default=None)
-        base_all = [pooled(groups[(tag, a)]) for a in BASELINES if (tag, a) in groups]
+        base_all = [pooled(v) for v in by_base.values()]
         best_all = min((b[0] for b in base_all if b), default=None)
         ref = next((r.get("model", {}).get("losses") for r in groups.get((tag, "native"), [])
                     if r.get("ok")), None)
