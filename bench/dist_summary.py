@@ -14,9 +14,9 @@ Files: MODE-BACKEND-NAME[-pN]-rankR.json (tests/gpu/cases/dist_train.py), NAME o
 native2, g, g0, g1...; -pN is the pass (REPEAT > 1), none for the first."""
 import glob
 import json
-import math
 import os
 import re
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -69,11 +69,11 @@ def rounds(runs):
     native run are left out. The mean, not the faster: two runs of one allocator differ by
     noise alone, and the faster of them is faster than native's typical run, which read every
     other allocator slower than it is (docs/benchmarks.md, twenty-sixth session)."""
-    logs = {}
+    steps = {}
     for mode, name, p, rank, d, _ in runs:
         if name.startswith("native"):
-            logs.setdefault((mode, p, rank), []).append(math.log(d["median_step_ms"]))
-    native = {k: math.exp(sum(v) / len(v)) for k, v in logs.items()}
+            steps.setdefault((mode, p, rank), []).append(d["median_step_ms"])
+    native = {k: statistics.geometric_mean(v) for k, v in steps.items()}
     out = {}
     for mode, name, p, rank, d, _ in runs:
         if name.startswith("native") or (mode, p, rank) not in native:

@@ -7,10 +7,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 lib=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
-if ! [[ "${LATENCY_ROUNDS:-3}" =~ ^[1-9][0-9]*$ ]]; then
-  echo "issue12-gpu: LATENCY_ROUNDS must be a whole number of rounds, 1 or more, not '${LATENCY_ROUNDS}'" >&2
-  exit 2
-fi
+# shellcheck source=bench/rounds.sh
+. bench/rounds.sh
+check_rounds LATENCY_ROUNDS "${LATENCY_ROUNDS:-3}"
 O=${OUT:-bench/out}/bench
 mkdir -p "$O"
 export PYTHONPATH=python PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -21,11 +20,9 @@ echo "== latency, random mixed pattern (200k operations, 10k live), ${LATENCY_RO
 if bash bench/build-latency.sh build/bench >"$O/latency-build.log" 2>&1; then
   # Rounds rotated (one run's ns per pair moves by 20-60% on a shared host): each round's
   # records marked `bench_round`, pooled by bench/report.py (each round against native's).
-  order=(native expandable gmlake)
   : >"$O/latency.jsonl"
   for round in $(seq 1 "${LATENCY_ROUNDS:-3}"); do
-    k=$(((round - 1) % 3))
-    for a in "${order[@]:k}" "${order[@]:0:k}"; do
+    for a in $(rotated "$round" native expandable gmlake); do
       part=$O/latency.part.jsonl
       : >"$part"
       case $a in
@@ -33,7 +30,7 @@ if bash bench/build-latency.sh build/bench >"$O/latency-build.log" 2>&1; then
         expandable) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 60 build/bench/latency --allocator expandable --no-fixed --no-stitch --mixed-ops 200000 --out "$part" ;;
         gmlake) timeout 60 build/bench/latency --allocator gmlake --lib "$lib" --conf "" --no-fixed --no-stitch --mixed-ops 200000 --out "$part" ;;
       esac >>"$O/latency.log" 2>&1 || echo "latency/$a exited with $?"
-      sed "s/^{/{\"bench_round\":$round,/" "$part" >>"$O/latency.jsonl"
+      mark_round "$round" "$part" >>"$O/latency.jsonl"
       rm -f "$part"
     done
   done

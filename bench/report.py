@@ -83,7 +83,7 @@ def paired_ratios(ratios: List[float]) -> Optional[Tuple[float, float, float]]:
     none."""
     if not ratios:
         return None
-    return (math.exp(sum(math.log(x) for x in ratios) / len(ratios)), min(ratios), max(ratios))
+    return (statistics.geometric_mean(ratios), min(ratios), max(ratios))
 
 
 def load(paths: Iterable[str]) -> List[Dict[str, Any]]:

@@ -54,10 +54,9 @@ QUICK=${BENCH_QUICK:-0}
 WORKLOADS=${BENCH_WORKLOADS:-llm_lora moe conv kv_infer fsdp_offload concat_cache stress}
 ALLOCATORS=${BENCH_ALLOCATORS:-native expandable gmlake native2}
 ROUNDS=${BENCH_ROUNDS:-1}
-if ! [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]]; then
-  echo "run-gpu: BENCH_ROUNDS must be a whole number of rounds, 1 or more, not '$ROUNDS'" >&2
-  exit 2
-fi
+# shellcheck source=bench/rounds.sh
+. bench/rounds.sh
+check_rounds BENCH_ROUNDS "$ROUNDS"
 PY=${PYTHON:-python3}
 export PYTHONPATH="python${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -168,7 +167,7 @@ run_latency() { # allocator round
   *) log "latency: no run for allocator $a"; rc=2 ;;
   esac
   if [ "$ROUNDS" -gt 1 ]; then
-    sed "s/^{/{\"bench_round\":$round,/" "$part" >>"$RES"
+    mark_round "$round" "$part" >>"$RES"
   else
     cat "$part" >>"$RES"
   fi
@@ -186,8 +185,7 @@ if [ -n "$lat_bin" ] && [ "${BENCH_NO_LATENCY:-0}" != 1 ]; then
     case $a in native2 | gmlake+*) ;; *) lat_order+=("$a") ;; esac
   done
   for round in $(seq 1 "$ROUNDS"); do
-    k=$(((round - 1) % ${#lat_order[@]}))
-    for a in "${lat_order[@]:k}" "${lat_order[@]:0:k}"; do run_latency "$a" "$round"; done
+    for a in $(rotated "$round" "${lat_order[@]}"); do run_latency "$a" "$round"; done
   done
 fi
 
@@ -263,12 +261,8 @@ run_workload() { # workload allocator round
 if [ "${BENCH_NO_WORKLOADS:-0}" != 1 ]; then
   for w in $WORKLOADS; do
     for round in $(seq 1 "$ROUNDS"); do
-      # Round r starts r-1 allocators later (rotated), so that no allocator always runs in the
-      # same place of a round: on a shared host the place can weigh as much as the allocator.
-      # shellcheck disable=SC2206
-      order=($ALLOCATORS)
-      k=$(((round - 1) % ${#order[@]}))
-      for a in "${order[@]:k}" "${order[@]:0:k}"; do run_workload "$w" "$a" "$round"; done
+      # shellcheck disable=SC2086
+      for a in $(rotated "$round" $ALLOCATORS); do run_workload "$w" "$a" "$round"; done
     done
   done
 fi

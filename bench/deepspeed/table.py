@@ -39,7 +39,6 @@ more (count, total, largest; they are also on their own track of the step's trac
 where each allocator's step goes."""
 
 import glob
-import math
 import os
 import re
 import statistics
@@ -147,24 +146,20 @@ def paired(runs, tag, groups) -> str:
     def reference(rnd):
         if any(not steps(a, rnd) for a in bases):
             return None
-        logs = [math.log(x) for a in natives for x in steps(a, rnd)]
-        return math.exp(sum(logs) / len(logs))
+        return statistics.geometric_mean([x for a in natives for x in steps(a, rnd)])
 
     def ratios_of(rs):
-        out = []
-        for r in rs:
-            if r.get("ok") and r.get("median_step_s") and "_round" in r:
-                ref = reference(r["_round"])
-                if ref:
-                    out.append(r["median_step_s"] / ref)
-        return out
+        refs = [(r, reference(r["_round"])) for r in rs
+                if r.get("ok") and r.get("median_step_s") and "_round" in r]
+        return [r["median_step_s"] / ref for r, ref in refs if ref]
 
     ratios = ratios_of(runs)
     summary = report.paired_ratios(ratios)
     if summary is None:
         return "-"
-    best = min([1.0] + [report.paired_ratios(v)[0] for a in bases if not a.startswith("native")
-                        for v in [ratios_of(groups[(tag, a)])] if v])
+    # Native's pooled ratio is 1 (its runs are the reference); the others' are pooled alike.
+    pooled_others = [report.paired_ratios(ratios_of(groups[(tag, a)])) for a in bases if a not in natives]
+    best = min([1.0] + [p[0] for p in pooled_others if p])
     g, lo, hi = summary
     return f"{g / best:.3f} ({lo:.3f}-{hi:.3f}, {len(ratios)})"
 

@@ -174,7 +174,8 @@ def test_workload_help_needs_no_torch(w):
 
 
 def test_run_script_syntax():
-    for s in ("run-gpu.sh", "build-latency.sh", "ops-gpu.sh", "deepspeed/run.sh", "deepspeed/wheels.sh"):
+    for s in ("run-gpu.sh", "rounds.sh", "issue12-gpu.sh", "build-latency.sh", "ops-gpu.sh", "deepspeed/run.sh",
+              "deepspeed/wheels.sh"):
         r = subprocess.run(["bash", "-n", str(BENCH / s)], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
 
