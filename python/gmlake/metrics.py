@@ -29,6 +29,7 @@ Metrics, each labelled ``device`` (the CUDA ordinal); ``driver_calls`` also ``ki
 ``gmlake_pages_stitched_total``            pages mapped into them
 ``gmlake_stitch_reuses_total``             stitched ranges reused (kept mappings)
 ``gmlake_driver_calls_total``              CUDA driver calls, by ``kind`` (map, unmap, ...)
+``gmlake_driver_seconds_total``            host time those calls took (every call timed)
 ``gmlake_ooms_total``                      out-of-memory errors raised
 ``gmlake_alloc_retries_total``             allocations retried after freeing the cache
 ``gmlake_debug_canary_errors_total``       damaged canaries found (memory debugging mode)
@@ -63,6 +64,7 @@ _COUNTERS = [
     ("stitches", "Stitched ranges made.", "gmlake.stitches"),
     ("pages_stitched", "Pages mapped into stitched ranges.", "gmlake.pages_stitched"),
     ("stitch_reuses", "Stitched ranges reused from kept mappings.", "gmlake.stitch_reuses"),
+    ("driver_seconds", "Host time the allocator's CUDA driver calls took.", "gmlake.driver_ns", 1e-9),
     ("ooms", "Out-of-memory errors raised.", "num_ooms"),
     ("alloc_retries", "Allocations retried after releasing cached memory.", "num_alloc_retries"),
     ("debug_canary_errors", "Damaged canaries found (memory debugging mode; 0 when off).", "gmlake.debug_canary_errors"),
@@ -111,7 +113,7 @@ class GmlakeCollector:
         free_frag = GaugeMetricFamily(
             "gmlake_free_fragmentation_ratio",
             "1 - largest free block/cached bytes: how scattered the free memory is.", labels=["device"])
-        counters = {n: CounterMetricFamily(f"gmlake_{n}", h, labels=["device"]) for n, h, _ in _COUNTERS}
+        counters = {c[0]: CounterMetricFamily(f"gmlake_{c[0]}", c[1], labels=["device"]) for c in _COUNTERS}
         driver = CounterMetricFamily(
             "gmlake_driver_calls", "CUDA driver calls made by the allocator, by kind.",
             labels=["device", "kind"])
@@ -134,8 +136,8 @@ class GmlakeCollector:
             largest = _num(s, "gmlake.largest_free_block")
             frag.add_metric([d], max(0.0, 1.0 - active / reserved) if reserved > 0 else 0.0)
             free_frag.add_metric([d], max(0.0, 1.0 - largest / cached) if cached > 0 else 0.0)
-            for n, _, key in _COUNTERS:
-                counters[n].add_metric([d], _num(s, key))
+            for n, _, key, *scale in _COUNTERS:
+                counters[n].add_metric([d], _num(s, key) * (scale[0] if scale else 1))
             for k, v in s.items():
                 if k.startswith(_DRIVER_PREFIX):
                     driver.add_metric([d, k[len(_DRIVER_PREFIX):]], _num(s, k))

@@ -76,6 +76,9 @@ def test_a_scrape_reports_every_metric_per_device(server):
     assert v(m, "gmlake_pages_stitched_total", 0) == 50
     assert v(m, "gmlake_driver_calls_total", 0, kind="map") == 242
     assert v(m, "gmlake_driver_calls_total", 0, kind="create_physical") == 192
+    # The calls' host time, in seconds (the statistic is in nanoseconds).
+    assert v(m, "gmlake_driver_seconds_total", 0) == pytest.approx(STATS["gmlake.driver_ns"] * 1e-9)
+    assert STATS["gmlake.driver_ns"] > 0
     assert v(m, "gmlake_ooms_total", 0) == 0
     assert v(m, "gmlake_alloc_retries_total", 0) == 0
     assert v(m, "gmlake_debug_canary_errors_total", 0) == 0

@@ -162,7 +162,20 @@ pub struct Config {
     /// with a steady state (no driver calls once warm) never pays it and keeps its pages and
     /// its utilization; a short run with no steady state does not switch late for nothing.
     pub page_upgrade_remap: f64,
+    /// `driver_share_notice`: once the allocator's driver calls have taken at least this
+    /// share of the wall time in two windows of `DRIVER_SHARE_WINDOW` in a row (5 s each), it
+    /// says so once, with the settings that trade utilization for fewer calls
+    /// (`Allocator::take_notices`; the bridge prints it). Such a job has no steady state: its
+    /// allocations' lifetimes do not repeat, so stitched ranges are rarely reused and every
+    /// miss maps pages (on an H100 the random mixed pattern of bench/latency.cpp spends about
+    /// 60% of its time in them at the defaults, the random-lifetime stress pattern over 90%;
+    /// a training job with a steady state, none after its first steps). Default 0.25; `off`
+    /// (or 0) never tells. Nothing is decided on it: the notice only reports.
+    pub driver_share_notice: Option<f64>,
 }
+
+/// `driver_share_notice`'s default: a quarter of the wall time.
+pub const DEFAULT_DRIVER_SHARE_NOTICE: f64 = 0.25;
 
 /// `page_upgrade_at`'s default: 1 GiB. With the default rent-or-buy rule only jobs that
 /// keep re-mapping upgrade; on the GPU (four H200s, 2026-11-27) those kept 0.976-0.992
@@ -199,6 +212,7 @@ impl Default for Config {
             page_upgrade_at: Some(DEFAULT_PAGE_UPGRADE_AT),
             page_upgrade_size: 0,
             page_upgrade_remap: 2.0,
+            driver_share_notice: Some(DEFAULT_DRIVER_SHARE_NOTICE),
         }
     }
 }
@@ -235,6 +249,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "page_upgrade_at",
     "page_upgrade_size",
     "page_upgrade_remap",
+    "driver_share_notice",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -533,6 +548,19 @@ impl Config {
                 self.reuse_fenced_blocks = parse_bool(key, v)?
             }
             "host_timing" | "hosttiming" => self.host_timing = parse_bool(key, v)?,
+            "driver_share_notice" | "driversharenotice" => {
+                let why = "expected a share of the wall time in (0, 1], or off";
+                self.driver_share_notice = match v.to_ascii_lowercase().as_str() {
+                    "off" | "none" | "0" => None,
+                    _ => {
+                        let f: f64 = v.parse().map_err(|_| invalid(key, value, why))?;
+                        if !(f > 0.0 && f <= 1.0) {
+                            return Err(invalid(key, value, why));
+                        }
+                        Some(f)
+                    }
+                };
+            }
             "small_size" | "smallsize" => {
                 let s = size(key)?;
                 if s == 0 || s > 1 << 30 {
@@ -664,6 +692,11 @@ impl Config {
             ("page_upgrade_size", self.page_upgrade_size.to_string()),
             ("page_upgrade_remap", self.page_upgrade_remap.to_string()),
             (
+                "driver_share_notice",
+                self.driver_share_notice
+                    .map_or("off".to_string(), |f| f.to_string()),
+            ),
+            (
                 "memory_fraction",
                 self.memory_fraction
                     .map_or("none".to_string(), |f| f.to_string()),
@@ -762,6 +795,20 @@ mod tests {
         assert!(e.to_string().contains("page_upgrade_size"), "{e}");
         let e = c.set("page_upgrade_at", "soon").unwrap_err();
         assert!(e.to_string().contains("page_upgrade_at"), "{e}");
+        assert_eq!(c.driver_share_notice, Some(DEFAULT_DRIVER_SHARE_NOTICE));
+        c.set("driver_share_notice", "off").unwrap();
+        assert_eq!(c.driver_share_notice, None);
+        c.set("driver_share_notice", "0.5").unwrap();
+        assert_eq!(c.driver_share_notice, Some(0.5));
+        c.set("driver_share_notice", "0").unwrap();
+        assert_eq!(c.driver_share_notice, None);
+        for bad in ["1.5", "-0.1", "lots"] {
+            let e = c.set("driver_share_notice", bad).unwrap_err();
+            assert!(
+                e.to_string().contains("driver_share_notice") && e.to_string().contains(bad),
+                "{e}"
+            );
+        }
         assert_eq!(c.page_upgrade_remap, 2.0);
         c.set("page_upgrade_remap", "0").unwrap();
         assert_eq!(c.page_upgrade_remap, 0.0);

@@ -172,6 +172,8 @@ pub struct SimDevice {
     pending_from: Option<StreamId>,
     /// Whether fills and copies model contents (off for fast replays of large traces).
     contents: bool,
+    /// Host time each `map` takes ([`SimDevice::with_map_delay`]; none by default).
+    map_delay: std::time::Duration,
     state: Mutex<SimState>,
 }
 
@@ -196,6 +198,7 @@ impl SimDevice {
             asynchronous: false,
             pending_from: None,
             contents: true,
+            map_delay: std::time::Duration::ZERO,
             state: Mutex::new(SimState {
                 next_va: VA_BASE,
                 next_handle: 1,
@@ -219,6 +222,13 @@ impl SimDevice {
     /// own up there, completed when the trace says the wait ended.
     pub fn pending_from(mut self, first: StreamId) -> SimDevice {
         self.pending_from = Some(first);
+        self
+    }
+
+    /// Each `map` takes `delay` of host time (a sleep), as the driver's do (20-35 µs a page
+    /// with its access grant): for tests of what the allocator measures of its driver calls.
+    pub fn with_map_delay(mut self, delay: std::time::Duration) -> SimDevice {
+        self.map_delay = delay;
         self
     }
 
@@ -738,6 +748,9 @@ impl Device for SimDevice {
     }
 
     fn map(&self, addr: DevicePtr, size: usize, handle: PhysHandle) -> DeviceResult<()> {
+        if !self.map_delay.is_zero() {
+            std::thread::sleep(self.map_delay);
+        }
         let size = size as u64;
         self.check_aligned("map address", addr)?;
         self.check_aligned("map size", size)?;

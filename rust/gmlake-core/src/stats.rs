@@ -212,6 +212,13 @@ macro_rules! for_device_stats {
                 /// past the peak reserved, so that pages given back and pages created are not
                 /// held at once (a drain racing a growth).
                 retired_waits: u64 = accumulated,
+                /// Host nanoseconds spent in the allocator's driver calls (every call timed:
+                /// two clock readings, against the microseconds a VMM call costs), with the
+                /// driver calls: what `gmlake.driver_calls` cost the job, measured.
+                driver_ns: u64 = accumulated,
+                /// Notices given that driver calls took a large share of the job's time
+                /// (`driver_share_notice`): 0 or 1.
+                driver_share_notices: u64 = gauge,
                 /// Bytes of kept aliases (virtual ranges still mapped onto pages active
                 /// elsewhere).
                 aliased_bytes: u64 = gauge,
@@ -350,6 +357,13 @@ macro_rules! define_device_stats {
 
             pub fn reset_peak(&mut self) {
                 $( StatField::reset_peak(&mut self.$t); )*
+            }
+
+            /// The statistics with the measured time (`driver_ns`) at 0: what two runs of
+            /// the same sequence must agree on, whatever their clocks said.
+            pub fn without_timing(mut self) -> Self {
+                self.driver_ns = 0;
+                self
             }
         }
 

@@ -911,6 +911,9 @@ impl Gmlake {
         let done = HostTiming::time(self.timing.as_ref(), true, size, || {
             guard("allocate", || Ok(f(a)))
         });
+        if a.has_notices() {
+            self.print_notices();
+        }
         match done {
             Ok(Ok(ptr)) => AllocOutcome {
                 ptr,
@@ -940,6 +943,18 @@ impl Gmlake {
                 requested: size,
                 ..AllocOutcome::default()
             },
+        }
+    }
+
+    /// Prints the core's notices (`Allocator::take_notices`, e.g. the driver-share watch's)
+    /// to stderr, as the C++ side's once-logged warnings are; a failed write is ignored
+    /// (reporting must never fail an allocation).
+    fn print_notices(&self) {
+        use std::io::Write;
+        let notices = guard("notices", || Ok(self.alloc.take_notices())).unwrap_or_default();
+        let mut err = std::io::stderr().lock();
+        for n in notices {
+            let _ = writeln!(err, "[gmlake] device {}: {n}", self.ordinal);
         }
     }
 

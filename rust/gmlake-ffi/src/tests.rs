@@ -504,3 +504,34 @@ fn host_timing_keeps_slow_calls_with_their_start() {
         "{e}"
     );
 }
+
+/// The core's notices (here the driver-share watch's, with a threshold any driver call
+/// crosses) are taken by the allocation after which they were queued, and printed; the
+/// allocation itself is unaffected.
+#[test]
+fn the_bridge_takes_the_cores_notices() {
+    let a = sim(8 * GIB, "driver_share_notice:0.000001");
+    a.alloc
+        .set_driver_share_window(std::time::Duration::from_millis(2));
+    let mut live: Vec<u64> = (0..32)
+        .map(|i| a.allocate((3 + i % 7) * MIB + 512, 0).ptr)
+        .collect();
+    let t0 = std::time::Instant::now();
+    let mut n = 0u64;
+    while a.stats().unwrap().counter("driver_share_notices") == 0 {
+        assert!(t0.elapsed().as_secs() < 20, "no notice after {n} pairs");
+        let j = (n * 7919 % live.len() as u64) as usize;
+        assert_eq!(a.free_ptr(live[j]).status, FreeStatus::Done);
+        let r = a.allocate((2 + n * 31 % 29) * MIB + 512, 0);
+        assert_eq!(r.status, AllocStatus::Allocated, "{}", r.message);
+        live[j] = r.ptr;
+        n += 1;
+        // Misses are spread over the window.
+        std::thread::sleep(std::time::Duration::from_micros(50));
+    }
+    // The notice was queued inside an allocation and taken before it returned.
+    assert!(!a.alloc.has_notices());
+    assert!(a.alloc.take_notices().is_empty());
+    assert_eq!(a.stats().unwrap().counter("driver_share_notices"), 1);
+    assert!(a.stats().unwrap().counter("driver_ns") > 0);
+}

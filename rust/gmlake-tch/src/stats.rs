@@ -45,6 +45,8 @@ pub struct GmlakeCounters {
     /// CUDA driver calls (create, map, unmap, set-access, ...), in total and by kind.
     pub driver_calls: i64,
     pub driver_calls_by_kind: BTreeMap<String, i64>,
+    /// Host nanoseconds those calls took (every call timed).
+    pub driver_ns: i64,
     /// The device's free and total memory when the statistics were read.
     pub device_free: Option<i64>,
     pub device_total: Option<i64>,
@@ -161,6 +163,7 @@ impl Stats {
                 ipc_imported_bytes: get("gmlake.ipc_imported_bytes"),
                 driver_calls: get("gmlake.driver_calls"),
                 driver_calls_by_kind,
+                driver_ns: get("gmlake.driver_ns"),
                 device_free: raw.get("gmlake.device_free").copied(),
                 device_total: raw.get("gmlake.device_total").copied(),
                 page_size: raw.get("gmlake.page_size").copied(),

@@ -118,7 +118,7 @@ fn mock(
         cuda_initialized,
         backend: backend.into(),
         installed_conf: None,
-        stats: r#"{"allocation.all.allocated":7,"reserved_bytes.all.peak":4194304,"active_bytes.all.peak":3145728,"gmlake.stitches":2}"#.into(),
+        stats: r#"{"allocation.all.allocated":7,"reserved_bytes.all.peak":4194304,"active_bytes.all.peak":3145728,"gmlake.stitches":2,"gmlake.driver_ns":125000}"#.into(),
         error: CString::default(),
         empty_cache_calls: 0,
     });
@@ -154,6 +154,7 @@ fn installs_reads_stats_and_empties_the_cache() {
     assert!(s.initialized);
     assert_eq!(s.allocation.all.allocated, 7);
     assert_eq!(s.gmlake.stitches, 2);
+    assert_eq!(s.gmlake.driver_ns, 125_000);
     assert_eq!(s.utilization(), Some(0.75));
     assert!(!gm.stats(1).unwrap().initialized);
     gm.empty_cache().unwrap();

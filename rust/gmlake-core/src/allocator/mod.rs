@@ -17,7 +17,8 @@
 //! holds fences, pending frees, retired ranges and events; `release` returns memory
 //! (empty_cache, autoGC, alias eviction); `report` holds snapshots and the invariant check;
 //! `upgrade` holds the page-size upgrade (page generations, draining the old one); `misses`
-//! logs, on request, why a miss took no kept window (a diagnostic).
+//! logs, on request, why a miss took no kept window (a diagnostic); `watch` tells, once, when
+//! driver calls take a large share of the job's time (`driver_share_notice`).
 //!
 //! Stream rules, as PyTorch's: a block freed on stream S is reused on S at once; a block
 //! used on other streams (record_stream) is freed only once events recorded on those
@@ -37,7 +38,8 @@ pub use misses::{MissRecord, MissWindow};
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// Allocation granularity of blocks (PyTorch's kMinBlockSize).
 pub const BLOCK_ROUND: u64 = 512;
@@ -171,6 +173,11 @@ struct State {
     /// Tests: every miss that may take no busy alias also runs the scan that classifies every
     /// page, and panics if it chooses otherwise (`set_check_clean_spans`).
     check_clean_spans: bool,
+    /// The driver-share watch (`watch.rs`) and the notices it queued, not yet taken; the
+    /// flag (shared with the `Allocator`) says there are some, read without the lock.
+    watch: watch::DriverShare,
+    notices: Vec<String>,
+    notice_flag: Arc<AtomicBool>,
 }
 
 /// The allocator for one device. `Send + Sync`; every operation takes one lock briefly.
@@ -182,17 +189,23 @@ pub struct Allocator<D: Device> {
     /// Closed imports still mapped (`Imports::closing`), read without the lock so that
     /// allocator calls look at them only when there are some.
     imports_closing: AtomicUsize,
+    /// Notices are queued (`take_notices`), read without the lock.
+    notice_flag: Arc<AtomicBool>,
 }
 
-/// A driver call: counted by kind, and with `host_timing` timed for the calling thread's
-/// slow-call figures (`crate::calltime`).
+/// A driver call: counted by kind and timed (`driver_ns`, read by the driver-share watch;
+/// two clock readings, tens of nanoseconds against a call's microseconds), and with
+/// `host_timing` noted for the calling thread's slow-call figures (`crate::calltime`).
 macro_rules! drv {
     ($st:expr, $kind:ident, $call:expr) => {{
         $st.stats.driver_calls.$kind += 1;
-        let t0 = $st.cfg.host_timing.then(std::time::Instant::now);
+        let t0 = std::time::Instant::now();
         let r = $call;
-        if let Some(t0) = t0 {
-            $crate::calltime::note_driver(stringify!($kind), t0.elapsed().as_nanos() as u64);
+        let ns = t0.elapsed().as_nanos() as u64;
+        $st.stats.driver_ns += ns;
+        $st.watch.ns += ns;
+        if $st.cfg.host_timing {
+            $crate::calltime::note_driver(stringify!($kind), ns);
         }
         r
     }};
@@ -205,6 +218,7 @@ mod release;
 mod report;
 mod streams;
 mod upgrade;
+mod watch;
 
 use streams::{Fence, PendingFree, RetiredBatch};
 
@@ -295,7 +309,11 @@ impl<D: Device> Allocator<D> {
             debug,
             reuse_checks: pages::MAX_REUSE_CHECKS,
             check_clean_spans: false,
+            watch: watch::DriverShare::default(),
+            notices: Vec::new(),
+            notice_flag: Arc::new(AtomicBool::new(false)),
         };
+        let notice_flag = state.notice_flag.clone();
         state.update_limit();
         tracing::debug!(page, total, "gmlake allocator created");
         Ok(Allocator {
@@ -303,6 +321,7 @@ impl<D: Device> Allocator<D> {
             state: Mutex::new(state),
             imports: Mutex::new(Imports::default()),
             imports_closing: AtomicUsize::new(0),
+            notice_flag,
         })
     }
 
@@ -724,6 +743,27 @@ impl<D: Device> Allocator<D> {
         Ok(())
     }
 
+    /// Whether notices are waiting (`take_notices`): one atomic load, no lock, so that a
+    /// caller may ask after every allocation.
+    pub fn has_notices(&self) -> bool {
+        self.notice_flag.load(Ordering::Acquire)
+    }
+
+    /// The notices queued since the last call, oldest first: things the user should know and
+    /// can act on, such as the driver-share watch's (`driver_share_notice`). The bridge to
+    /// PyTorch prints them to stderr.
+    pub fn take_notices(&self) -> Vec<String> {
+        let mut st = self.state.lock();
+        self.notice_flag.store(false, Ordering::Release);
+        std::mem::take(&mut st.notices)
+    }
+
+    /// For tests: the driver-share watch's window (`watch::DRIVER_SHARE_WINDOW`, 5 s).
+    #[doc(hidden)]
+    pub fn set_driver_share_window(&self, window: std::time::Duration) {
+        self.state.lock().watch.window = window;
+    }
+
     /// Sets how many lent pages one miss may examine when it looks for a kept range to
     /// reuse (default 4,096). For tests, which lower it so that scans are cut short and
     /// resume where they stopped.
@@ -1024,6 +1064,7 @@ impl State {
         aid: u32,
     ) -> Result<DevicePtr> {
         self.flush_quick()?;
+        self.watch_driver_share();
         if self.captures == 0 {
             self.process_retired(dev, false)?;
             // A kept mapping whose pages are free: no driver call. One with busy pages, if
