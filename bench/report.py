@@ -216,7 +216,12 @@ def quiet_steps_note(r: Optional[Dict[str, Any]]) -> str:
     if not v:
         return ""
     busy = sum(1 for c in v if c > 0)
-    return f"VMM calls in {busy} of {len(v)} steps, mean {sum(v) / len(v):.0f} a step"
+    note = f"VMM calls in {busy} of {len(v)} steps, mean {sum(v) / len(v):.0f} a step"
+    ms = (r or {}).get("driver_ms_per_step")
+    if ms:
+        # Measured (gmlake.driver_ns), not the replay's cost model.
+        note += f", driver {sum(ms) / len(ms):.1f} ms a step (mean, max {max(ms):.1f})"
+    return note
 
 
 def fsize(b: int) -> str:

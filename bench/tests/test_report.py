@@ -238,6 +238,10 @@ def test_driver_calls_per_step_and_the_second_native_run_are_reported():
     assert "VMM calls in 1 of 3 steps, mean 0 a step" in md, md
     assert report.quiet_steps_note({"vmm_calls_per_step": [0, 0, 250, 2025]}) == \
         "VMM calls in 2 of 4 steps, mean 569 a step"
+    # With the measured driver time a step (gmlake.driver_ns).
+    assert report.quiet_steps_note({"vmm_calls_per_step": [0, 120, 0, 0],
+                                    "driver_ms_per_step": [0.0, 4.5, 0.1, 0.2]}) == \
+        "VMM calls in 1 of 4 steps, mean 30 a step, driver 1.2 ms a step (mean, max 4.5)"
     assert report.quiet_steps_note({"median_step_s": 0.1}) == ""
     assert report.quiet_steps_note(None) == ""
     # A record from before the VMM split (or a baseline) shows what it has.
@@ -670,6 +674,33 @@ def test_run_steps_splits_vmm_calls_from_event_calls(monkeypatch):
     times = common.run_steps(args, Wl(), 1, [None, None], "cpu", 0, calls, kinds, None, None, vmm)
     assert len(times) == 2 and calls == [20, 5] and vmm == [4, 0]
     assert common.vmm_calls(kinds) == 4 and kinds["record_event"] == 5
+
+
+def test_run_steps_records_the_measured_driver_time_of_each_step(monkeypatch):
+    """run_steps turns gmlake.driver_ns (the host time of the driver calls, every call timed)
+    into milliseconds a step, and keeps it out of the calls by kind."""
+    sys.path.insert(0, str(BENCH / "workloads"))
+    import types
+
+    import common
+    counts = iter([
+        {"total": 10, "map": 2, "driver_ns": 1_000_000},            # before step 1
+        {"total": 30, "map": 22, "driver_ns": 4_500_000},           # after: 3.5 ms
+        {"total": 30, "map": 22, "driver_ns": 4_500_000},           # before step 2
+        {"total": 30, "map": 22, "driver_ns": 4_500_000},           # after: none
+    ])
+    monkeypatch.setattr(common, "driver_calls_by_kind", lambda: next(counts))
+    monkeypatch.setattr(common, "sync", lambda device: None)
+
+    class Wl:
+        def step(self, batch, shape):
+            pass
+    args = types.SimpleNamespace(fake_oom_above=0, profile_step=-1)
+    calls, kinds, driver_ms = [], {}, []
+    common.run_steps(args, Wl(), 1, [None, None], "cpu", 0, calls, kinds,
+                     driver_ms_out=driver_ms)
+    assert driver_ms == [3.5, 0.0] and calls == [20, 0]
+    assert "driver_ns" not in kinds and kinds["map"] == 20
 
 
 def test_zero3_table_shows_the_machine_checks(tmp_path):

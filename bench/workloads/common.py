@@ -319,11 +319,17 @@ def driver_calls_by_kind() -> Optional[Dict[str, int]]:
     # takes it out).
     if "gmlake.host_ns_alloc" in st:
         out[HOST_NS] = int(st["gmlake.host_ns_alloc"]) + int(st.get("gmlake.host_ns_free", 0))
+    # The host time of the driver calls so far (every call timed; not a call kind either).
+    if "gmlake.driver_ns" in st:
+        out[DRIVER_NS] = int(st["gmlake.driver_ns"])
     return out
 
 
 # The key of driver_calls_by_kind's result that holds the allocator's time in ns.
 HOST_NS = "host_ns"
+# The key that holds the host time of its driver calls in ns, measured (`gmlake.driver_ns`).
+DRIVER_NS = "driver_ns"
+NOT_KINDS = (HOST_NS, DRIVER_NS)
 
 # The kinds of driver calls that map memory (virtual memory management): what gmlake adds to
 # a job. The others (events: record, query, create, stream waits, synchronizes) are what any
@@ -523,13 +529,15 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
               host_ms_out: Optional[List[float]] = None,
               profile_out: Optional[Dict[str, Any]] = None,
               vmm_out: Optional[List[int]] = None,
-              windows_out: Optional[List[Tuple[int, int]]] = None) -> List[float]:
+              windows_out: Optional[List[Tuple[int, int]]] = None,
+              driver_ms_out: Optional[List[float]] = None) -> List[float]:
     """Runs the steps; times the ones from `timed_from`. With `calls_out`, appends gmlake's
     driver calls made by each timed step (read between steps, outside the timing); with
     `kinds_out`, adds them up by kind over the timed steps; with `vmm_out`, appends the VMM
     calls among them (`VMM_KINDS`) step by step; with `host_ms_out`, appends the
     milliseconds each timed step spent in gmlake's allocations and frees (`host_timing`);
-    with `windows_out`, each timed step's start and end (Unix ns), to find its slow calls.
+    with `windows_out`, each timed step's start and end (Unix ns), to find its slow calls;
+    with `driver_ms_out`, the milliseconds each timed step's driver calls took (measured).
     With `profile_out` and `--profile-step N`, the N-th timed step runs under torch.profiler
     (`profiled_step`), is not timed, and its summary goes to `profile_out`."""
     times = []
@@ -559,9 +567,11 @@ def run_steps(args, wl, batch: int, shapes: List[dict], device: str, timed_from:
                         vmm_out.append(vmm_calls(after) - vmm_calls(before))
                     if host_ms_out is not None and HOST_NS in after:
                         host_ms_out.append((after[HOST_NS] - before.get(HOST_NS, 0)) / 1e6)
+                    if driver_ms_out is not None and DRIVER_NS in after:
+                        driver_ms_out.append((after[DRIVER_NS] - before.get(DRIVER_NS, 0)) / 1e6)
                     if kinds_out is not None:
                         for k, v in after.items():
-                            if k != HOST_NS:
+                            if k not in NOT_KINDS:
                                 kinds_out[k] = kinds_out.get(k, 0) + v - before.get(k, 0)
     return times
 
@@ -578,8 +588,9 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
         prof: Dict[str, Any] = {}
         vmm: List[int] = []
         windows: List[Tuple[int, int]] = []
+        driver_ms: List[float] = []
         times = run_steps(args, wl, args.batch, shapes, args.device, args.warmup, calls, kinds,
-                          host_ms, prof, vmm, windows)
+                          host_ms, prof, vmm, windows, driver_ms)
         if prof:
             rec["profile"] = prof
         if host_ms:
@@ -598,6 +609,12 @@ def measured_run(args, wl, base: Dict[str, Any]) -> Dict[str, Any]:
             rec["driver_calls_by_kind"] = kinds
             rec["median_driver_calls_per_step"] = statistics.median(calls)
             rec["mean_driver_calls_per_step"] = statistics.fmean(calls)
+        if driver_ms:
+            # What those calls took, measured (not the replay's cost model): the part of each
+            # step that is the driver's.
+            rec["driver_ms_per_step"] = [round(x, 3) for x in driver_ms]
+            rec["median_driver_ms_per_step"] = statistics.median(driver_ms)
+            rec["mean_driver_ms_per_step"] = statistics.fmean(driver_ms)
         if vmm:
             # Of those, the calls that map memory (the rest are stream events, which native's
             # allocator makes too).
