@@ -649,20 +649,14 @@ def test_profile_step_on_cpu(tmp_path):
     assert Path(p["trace"]).exists() and p["trace"].endswith(".step1.trace.json.gz")
 
 
-def test_run_steps_splits_vmm_calls_from_event_calls(monkeypatch):
-    """run_steps records, step by step, the VMM calls among gmlake's driver calls (what gmlake
-    adds to a job; events are what native's allocator makes too)."""
+def _two_steps(monkeypatch, counts, **outs):
+    """run_steps over two no-op steps, gmlake's statistics read before and after each from
+    `counts` (four dicts); returns the step times."""
     sys.path.insert(0, str(BENCH / "workloads"))
     import types
 
     import common
-    counts = iter([
-        {"total": 10, "map": 2, "unmap": 1, "query_event": 7},    # before step 1
-        {"total": 30, "map": 6, "unmap": 1, "query_event": 23},   # after step 1: 4 VMM of 20
-        {"total": 30, "map": 6, "unmap": 1, "query_event": 23},   # before step 2
-        {"total": 35, "map": 6, "unmap": 1, "set_access": 0, "record_event": 5,
-         "query_event": 23},                                       # after step 2: 0 of 5
-    ])
+    counts = iter(counts)
     monkeypatch.setattr(common, "driver_calls_by_kind", lambda: next(counts))
     monkeypatch.setattr(common, "sync", lambda device: None)
 
@@ -670,8 +664,21 @@ def test_run_steps_splits_vmm_calls_from_event_calls(monkeypatch):
         def step(self, batch, shape):
             pass
     args = types.SimpleNamespace(fake_oom_above=0, profile_step=-1)
+    return common.run_steps(args, Wl(), 1, [None, None], "cpu", 0, **outs)
+
+
+def test_run_steps_splits_vmm_calls_from_event_calls(monkeypatch):
+    """run_steps records, step by step, the VMM calls among gmlake's driver calls (what gmlake
+    adds to a job; events are what native's allocator makes too)."""
     calls, kinds, vmm = [], {}, []
-    times = common.run_steps(args, Wl(), 1, [None, None], "cpu", 0, calls, kinds, None, None, vmm)
+    times = _two_steps(monkeypatch, [
+        {"total": 10, "map": 2, "unmap": 1, "query_event": 7},    # before step 1
+        {"total": 30, "map": 6, "unmap": 1, "query_event": 23},   # after step 1: 4 VMM of 20
+        {"total": 30, "map": 6, "unmap": 1, "query_event": 23},   # before step 2
+        {"total": 35, "map": 6, "unmap": 1, "set_access": 0, "record_event": 5,
+         "query_event": 23},                                       # after step 2: 0 of 5
+    ], calls_out=calls, kinds_out=kinds, vmm_out=vmm)
+    import common  # on the path since _two_steps
     assert len(times) == 2 and calls == [20, 5] and vmm == [4, 0]
     assert common.vmm_calls(kinds) == 4 and kinds["record_event"] == 5
 
@@ -679,26 +686,13 @@ def test_run_steps_splits_vmm_calls_from_event_calls(monkeypatch):
 def test_run_steps_records_the_measured_driver_time_of_each_step(monkeypatch):
     """run_steps turns gmlake.driver_ns (the host time of the driver calls, every call timed)
     into milliseconds a step, and keeps it out of the calls by kind."""
-    sys.path.insert(0, str(BENCH / "workloads"))
-    import types
-
-    import common
-    counts = iter([
+    calls, kinds, driver_ms = [], {}, []
+    _two_steps(monkeypatch, [
         {"total": 10, "map": 2, "driver_ns": 1_000_000},            # before step 1
         {"total": 30, "map": 22, "driver_ns": 4_500_000},           # after: 3.5 ms
         {"total": 30, "map": 22, "driver_ns": 4_500_000},           # before step 2
         {"total": 30, "map": 22, "driver_ns": 4_500_000},           # after: none
-    ])
-    monkeypatch.setattr(common, "driver_calls_by_kind", lambda: next(counts))
-    monkeypatch.setattr(common, "sync", lambda device: None)
-
-    class Wl:
-        def step(self, batch, shape):
-            pass
-    args = types.SimpleNamespace(fake_oom_above=0, profile_step=-1)
-    calls, kinds, driver_ms = [], {}, []
-    common.run_steps(args, Wl(), 1, [None, None], "cpu", 0, calls, kinds,
-                     driver_ms_out=driver_ms)
+    ], calls_out=calls, kinds_out=kinds, driver_ms_out=driver_ms)
     assert driver_ms == [3.5, 0.0] and calls == [20, 0]
     assert "driver_ns" not in kinds and kinds["map"] == 20
 
