@@ -6,8 +6,9 @@
 //! charges 20-35 µs a page for that (docs/benchmarks.md, "What a driver call costs in runs").
 //! On an H100 and an H200 the random mixed pattern of bench/latency.cpp runs at about 3x
 //! native's time at the defaults, most of it in those calls, and the random-lifetime stress
-//! pattern 15-25x; larger pages (`page_size:16MiB`) bring both near native's time for about
-//! a point of utilization. No default serves both those jobs and the ones with a steady
+//! pattern 15-25x; larger pages bring both near native's time for some utilization
+//! (`page_size:16MiB` and `64MiB` respectively; the notice suggests a page near the job's mean
+//! large tensor). No default serves both those jobs and the ones with a steady
 //! state (docs/benchmarks.md, "The frontier of the random patterns"), so the allocator does
 //! not switch on its own: it measures, and tells the user which setting trades what.
 //!
@@ -100,6 +101,10 @@ impl State {
         if self.watch.hot >= DRIVER_SHARE_WINDOWS {
             self.watch.told = true;
             self.stats.driver_share_notices = 1;
+            let large = (
+                self.stats.active_bytes.pool(PoolKind::Large).current.max(0) as u64,
+                self.stats.active.pool(PoolKind::Large).current.max(0) as u64,
+            );
             let text = notice_text(
                 share,
                 threshold,
@@ -107,6 +112,7 @@ impl State {
                 mapped,
                 stitches.saturating_sub(stitches0),
                 self.page,
+                suggested_page(large, self.page),
             );
             tracing::warn!("{text}");
             self.notices.push(text);
@@ -114,6 +120,24 @@ impl State {
         }
         self.watch.start = Some(mark);
     }
+}
+
+/// The page the notice suggests for a job whose large live blocks are now (bytes, blocks):
+/// the largest power of two at most their mean size, from 8 to 128 MiB, and larger than the
+/// page held now. Measured on an H200 (docs/benchmarks.md): the random mixed pattern (large
+/// blocks of about 9 MiB) runs at 1.16x native's time with 8 MiB pages and 1.13x with 16 MiB,
+/// for a point of utilization; the stress pattern (about 80 MiB) at 1.3x expandable
+/// segments' step with 64 MiB pages, 0.92 utilization. A page near a job's typical tensor
+/// moves a tensor in one or a few handles; much larger, and a partly used page holds a whole
+/// tensor's worth idle.
+fn suggested_page(large: (u64, u64), page: u64) -> u64 {
+    const MIB: u64 = 1 << 20;
+    let mean = large.0.checked_div(large.1).unwrap_or(0);
+    let fit = match mean {
+        0 => 16 * MIB,
+        m => 1u64 << (63 - m.leading_zeros()),
+    };
+    fit.clamp(8 * MIB, 128 * MIB).max(2 * page)
 }
 
 /// The notice: what was measured (the last window's share, pages mapped and stitches), why it
@@ -125,6 +149,7 @@ fn notice_text(
     maps: u64,
     stitches: u64,
     page: u64,
+    suggest: u64,
 ) -> String {
     let span = match window.as_secs_f64() {
         s if s < 1.0 => format!("{:.0} ms", s * 1e3),
@@ -135,7 +160,8 @@ fn notice_text(
          {} MiB mapped, {stitches} stitches), and {:.0}% or more in the window before. \
          The job's allocations do not repeat from step to step, so stitched ranges are seldom \
          reused and each miss maps pages (20-35 us a page). Larger pages make far fewer calls \
-         for about a point of utilization: GMLAKE_CONF=page_size:16MiB (or util_target:0.96, \
+         for some utilization: GMLAKE_CONF=page_size:{}MiB, near this job's mean large tensor \
+         (or util_target:0.96, \
          new memory first while utilization stays at 0.96); `gmlake replay \
          --suggest-page-size` on a recorded trace of the job picks a page for it. \
          docs/pytorch.md, \"Jobs with and without a steady state\"; driver_share_notice:off \
@@ -143,12 +169,27 @@ fn notice_text(
         share * 100.0,
         page >> 20,
         threshold * 100.0,
+        suggest >> 20,
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The suggested page follows the job's mean large tensor, within 8-128 MiB, and is
+    /// always larger than the page held.
+    #[test]
+    fn the_suggested_page_is_near_the_mean_large_tensor() {
+        const MIB: u64 = 1 << 20;
+        let two = 2 * MIB;
+        assert_eq!(suggested_page((10_000 * 9 * MIB, 10_000), two), 8 * MIB);
+        assert_eq!(suggested_page((370 * 82 * MIB, 370), two), 64 * MIB);
+        assert_eq!(suggested_page((4 << 30, 2), two), 128 * MIB);
+        assert_eq!(suggested_page((100 * MIB, 100), two), 8 * MIB);
+        assert_eq!(suggested_page((0, 0), two), 16 * MIB);
+        assert_eq!(suggested_page((370 * 82 * MIB, 370), 64 * MIB), 128 * MIB);
+    }
 
     #[test]
     fn the_share_is_the_spent_part_of_the_window() {
@@ -160,8 +201,16 @@ mod tests {
     /// act on it without the docs.
     #[test]
     fn the_notice_names_the_figures_and_the_settings() {
-        let t = notice_text(0.61, 0.25, Duration::from_millis(5_200), 1234, 56, 2 << 20);
-        let short = notice_text(0.5, 0.25, Duration::from_millis(20), 1, 1, 2 << 20);
+        let t = notice_text(
+            0.61,
+            0.25,
+            Duration::from_millis(5_200),
+            1234,
+            56,
+            2 << 20,
+            16 << 20,
+        );
+        let short = notice_text(0.5, 0.25, Duration::from_millis(20), 1, 1, 2 << 20, 8 << 20);
         assert!(short.contains("last 20 ms"), "{short}");
         for part in [
             "61%",
@@ -169,7 +218,7 @@ mod tests {
             "25% or more",
             "1234 pages of 2 MiB",
             "56 stitches",
-            "page_size:16MiB",
+            "page_size:16MiB, near this job's mean large tensor",
             "util_target:0.96",
             "--suggest-page-size",
             "driver_share_notice:off",
