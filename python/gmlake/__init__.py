@@ -395,7 +395,9 @@ def stats(device=None) -> Dict[str, Any]:
     ``gmlake.driver_calls`` (total) and ``gmlake.driver_calls.<kind>`` (``stream_wait``: the
     device-side waits of ``cross_stream_wait``), ``gmlake.driver_ns`` (the host time those
     calls took, every call timed), ``gmlake.driver_share_notices`` (1 once the allocator has
-    said that driver calls take a large share of the job's time: ``driver_share_notice``), ``gmlake.stream_waits_failed`` (waits the
+    said that driver calls take a large share of the job's time: ``driver_share_notice``),
+    ``gmlake.driver_share_upgrades`` (page-size upgrades made for that:
+    ``driver_share_upgrade``), ``gmlake.stream_waits_failed`` (waits the
     device refused), ``gmlake.pages_created_unfenced`` (pages created while another stream's
     freed pages were still in use by its queued work), ``gmlake.reuses_unfenced`` (kept
     windows not taken because the stream had not yet finished the work queued before their

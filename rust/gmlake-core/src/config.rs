@@ -172,6 +172,14 @@ pub struct Config {
     /// a training job with a steady state, none after its first steps). Default 0.25; `off`
     /// (or 0) never tells. Nothing is decided on it: the notice only reports.
     pub driver_share_notice: Option<f64>,
+    /// `driver_share_upgrade` (on by default): when the driver-share watch tells, new memory
+    /// also gets larger pages at once, near the job's mean large tensor (the largest power of
+    /// two at most its mean, 8-128 MiB) where that is larger than the page it has, and the
+    /// smaller pages go back to the device as their blocks are freed (a page-size upgrade,
+    /// `allocator/upgrade.rs`, after or instead of the rent-or-buy one). A job that keeps
+    /// paying at the new page may move up again after two more windows, while its mean large
+    /// tensor is larger. Not with `page_upgrade_at:off` (one page size) nor in debug mode.
+    pub driver_share_upgrade: bool,
 }
 
 /// `driver_share_notice`'s default: a quarter of the wall time.
@@ -213,6 +221,7 @@ impl Default for Config {
             page_upgrade_size: 0,
             page_upgrade_remap: 2.0,
             driver_share_notice: Some(DEFAULT_DRIVER_SHARE_NOTICE),
+            driver_share_upgrade: true,
         }
     }
 }
@@ -250,6 +259,7 @@ pub const CONFIG_KEYS: &[&str] = &[
     "page_upgrade_size",
     "page_upgrade_remap",
     "driver_share_notice",
+    "driver_share_upgrade",
 ];
 
 /// GMLake's environment variables, read by [`Config::from_env`].
@@ -548,6 +558,9 @@ impl Config {
                 self.reuse_fenced_blocks = parse_bool(key, v)?
             }
             "host_timing" | "hosttiming" => self.host_timing = parse_bool(key, v)?,
+            "driver_share_upgrade" | "drivershareupgrade" => {
+                self.driver_share_upgrade = parse_bool(key, v)?
+            }
             "driver_share_notice" | "driversharenotice" => {
                 let why = "expected a share of the wall time in (0, 1], or off";
                 self.driver_share_notice = match v.to_ascii_lowercase().as_str() {
@@ -697,6 +710,10 @@ impl Config {
                     .map_or("off".to_string(), |f| f.to_string()),
             ),
             (
+                "driver_share_upgrade",
+                (self.driver_share_upgrade as u8).to_string(),
+            ),
+            (
                 "memory_fraction",
                 self.memory_fraction
                     .map_or("none".to_string(), |f| f.to_string()),
@@ -795,6 +812,11 @@ mod tests {
         assert!(e.to_string().contains("page_upgrade_size"), "{e}");
         let e = c.set("page_upgrade_at", "soon").unwrap_err();
         assert!(e.to_string().contains("page_upgrade_at"), "{e}");
+        assert!(c.driver_share_upgrade, "on by default");
+        c.set("driver_share_upgrade", "off").unwrap();
+        assert!(!c.driver_share_upgrade);
+        let e = c.set("driver_share_upgrade", "maybe").unwrap_err();
+        assert!(e.to_string().contains("driver_share_upgrade"), "{e}");
         assert_eq!(c.driver_share_notice, Some(DEFAULT_DRIVER_SHARE_NOTICE));
         c.set("driver_share_notice", "off").unwrap();
         assert_eq!(c.driver_share_notice, None);

@@ -18,7 +18,8 @@ pub(crate) struct ArenaKey {
     pub stream: StreamId,
     pub kind: PoolKind,
     pub graph_pool: GraphPoolId,
-    /// The page generation whose pages the arena maps: 0, or 1 after the page-size upgrade
-    /// (`page_upgrade_at`). Arenas of one generation map pages of one size only.
+    /// The page generation whose pages the arena maps: 0, then one more at each page-size
+    /// upgrade (`page_upgrade_at`, `driver_share_upgrade`). Arenas of one generation map
+    /// pages of one size only.
     pub gen: u8,
 }

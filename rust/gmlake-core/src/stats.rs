@@ -204,8 +204,9 @@ macro_rules! for_device_stats {
                 /// Kept aliases unmapped and refilled with another page, to reuse a range whose
                 /// other pages were free.
                 aliases_replaced: u64 = accumulated,
-                /// Page-size upgrades done (`page_upgrade_at`: 0 or 1), and the pages of the
-                /// old generation given back as their blocks were freed.
+                /// Page-size upgrades done (`page_upgrade_at`'s rent-or-buy one, then any the
+                /// driver-share watch asks for), and the pages of older generations given
+                /// back as their blocks were freed.
                 page_upgrades: u64 = gauge,
                 pages_drained: u64 = accumulated,
                 /// Times the host waited for retired pages' events before creating pages
@@ -219,6 +220,9 @@ macro_rules! for_device_stats {
                 /// Notices given that driver calls took a large share of the job's time
                 /// (`driver_share_notice`): 0 or 1.
                 driver_share_notices: u64 = gauge,
+                /// Page-size upgrades the driver-share watch asked for
+                /// (`driver_share_upgrade`), each to a page near the job's mean large tensor.
+                driver_share_upgrades: u64 = gauge,
                 /// Bytes of kept aliases (virtual ranges still mapped onto pages active
                 /// elsewhere).
                 aliased_bytes: u64 = gauge,

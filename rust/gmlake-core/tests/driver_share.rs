@@ -1,6 +1,7 @@
-//! The driver-share watch (`driver_share_notice`): a job that keeps paying for driver calls
-//! is told once, with the settings that trade; a job whose driver calls stop after its
-//! warm-up is never told; the watch changes no decision.
+//! The driver-share watch (`driver_share_notice`, `driver_share_upgrade`): a job that keeps
+//! paying for driver calls is told once, and its new memory gets pages near its mean large
+//! tensor (or, without the upgrade, the notice suggests them); a job whose driver calls stop
+//! after its warm-up is never told; with the upgrade off, the watch changes no decision.
 
 use gmlake_core::{Allocator, Config, SimDevice};
 use std::time::{Duration, Instant};
@@ -48,8 +49,18 @@ fn random_until_notice(a: &Allocator<SimDevice>, limit: Duration) -> usize {
     pairs
 }
 
+/// The page a notice gives or suggests, in bytes: the number after `marker`.
+fn page_after(n: &str, marker: &str) -> u64 {
+    let at = &n[n
+        .find(marker)
+        .unwrap_or_else(|| panic!("{marker:?} in {n}"))
+        + marker.len()..];
+    let digits: String = at.chars().take_while(|c| c.is_ascii_digit()).collect();
+    digits.parse::<u64>().expect("a number") << 20
+}
+
 #[test]
-fn a_job_that_keeps_mapping_is_told_once_with_the_settings() {
+fn a_job_that_keeps_mapping_is_told_once_and_gets_larger_pages() {
     let a = allocator(Duration::from_micros(300), "");
     random_until_notice(&a, Duration::from_secs(20));
     assert!(a.has_notices(), "no notice after 20 s of random lifetimes");
@@ -57,14 +68,21 @@ fn a_job_that_keeps_mapping_is_told_once_with_the_settings() {
     assert_eq!(notices.len(), 1, "{notices:?}");
     let n = &notices[0];
     assert!(n.contains("CUDA driver calls took"), "{n}");
+    assert!(n.contains("driver_share_upgrade:off"), "{n}");
     // A page near the job's mean large block (2-34 MiB here): 8, 16 or 32 MiB.
-    assert!(
-        ["page_size:8MiB,", "page_size:16MiB,", "page_size:32MiB,"]
-            .iter()
-            .any(|p| n.contains(p)),
-        "{n}"
+    let page = page_after(n, "now gives new memory pages of ");
+    assert!([8 * MIB, 16 * MIB, 32 * MIB].contains(&page), "{n}");
+    assert_eq!(a.page_size(), 2 * MIB, "made at the next allocation");
+    let p = a.allocate(5 * MIB, 0).unwrap();
+    assert_eq!(
+        a.page_size(),
+        page,
+        "new memory gets the page the notice named"
     );
-    assert!(n.contains("util_target:0.96"), "{n}");
+    assert_eq!(a.stats().driver_share_upgrades, 1);
+    assert_eq!(a.stats().page_upgrades, 1);
+    a.free(p).unwrap();
+    a.verify().unwrap();
     assert!(!a.has_notices(), "taken");
     assert!(a.take_notices().is_empty());
     let s = a.stats();
@@ -75,10 +93,49 @@ fn a_job_that_keeps_mapping_is_told_once_with_the_settings() {
         s.driver_ns,
         s.driver_calls.map
     );
-    // Told once: more of the same queues nothing.
-    random_until_notice(&a, Duration::from_millis(200));
-    assert!(a.take_notices().is_empty(), "told twice");
+    // Told once. A job that still pays at the new page may move up once more, but never
+    // past the page near its mean large tensor (here at most 32 MiB), with a line saying so.
+    random_until_notice(&a, Duration::from_millis(300));
+    let p = a.allocate(5 * MIB, 0).unwrap();
+    for m in a.take_notices() {
+        assert!(
+            m.starts_with("CUDA driver calls still took"),
+            "told twice: {m}"
+        );
+        assert_eq!(
+            page_after(&m, "new memory now gets pages of "),
+            a.page_size(),
+            "{m}"
+        );
+    }
+    assert!(
+        a.page_size() >= page && a.page_size() <= 32 * MIB,
+        "{}",
+        a.page_size()
+    );
+    a.free(p).unwrap();
     a.verify().unwrap();
+    // The old generation goes back as its blocks are freed: nothing is left once all are.
+    a.empty_cache().unwrap();
+    assert_eq!(a.reserved_bytes(), 0);
+    assert_eq!(a.device().physical_bytes(), 0);
+}
+
+/// With one page size (`page_upgrade_at:off`) or `driver_share_upgrade:off` the notice
+/// suggests the page instead, and the page stays.
+#[test]
+fn without_the_upgrade_the_notice_suggests_the_page() {
+    for conf in ["page_upgrade_at:off", "driver_share_upgrade:off"] {
+        let a = allocator(Duration::from_micros(300), conf);
+        random_until_notice(&a, Duration::from_secs(20));
+        let n = a.take_notices().pop().expect("a notice");
+        let page = page_after(&n, "GMLAKE_CONF=page_size:");
+        assert!([8 * MIB, 16 * MIB, 32 * MIB].contains(&page), "{conf}: {n}");
+        let p = a.allocate(5 * MIB, 0).unwrap();
+        assert_eq!(a.page_size(), 2 * MIB, "{conf}");
+        assert_eq!(a.stats().driver_share_upgrades, 0, "{conf}");
+        a.free(p).unwrap();
+    }
 }
 
 #[test]
@@ -129,10 +186,10 @@ fn a_steady_job_after_a_costly_warm_up_is_not_told() {
     assert!(!a.has_notices(), "{:?}", a.take_notices());
 }
 
-/// The watch reports; it decides nothing: the same sequence places every block at the same
-/// address with it on and off, and makes the same driver calls.
+/// Without the upgrade the watch reports and decides nothing: the same sequence places every
+/// block at the same address with it on and off, and makes the same driver calls.
 #[test]
-fn the_watch_changes_no_decision() {
+fn the_notice_alone_changes_no_decision() {
     let run = |conf: &str| {
         let a = allocator(Duration::from_micros(200), conf);
         let mut next = rng(11);
@@ -152,9 +209,51 @@ fn the_watch_changes_no_decision() {
             a.stats().driver_share_notices,
         )
     };
-    let (on, calls_on, told) = run("driver_share_notice:0.01");
+    let (on, calls_on, told) = run("driver_share_notice:0.01,driver_share_upgrade:off");
     let (off, calls_off, _) = run("driver_share_notice:off");
     assert_eq!(told, 1, "the low threshold was crossed");
     assert_eq!(on, off);
     assert_eq!(calls_on, calls_off);
+}
+
+/// Generations follow one another (the watch may ask again at a larger page): blocks of three
+/// page sizes live at once, each old generation drains as its blocks are freed, and every
+/// invariant holds at every step; at the end nothing is left on the device.
+#[test]
+fn generations_of_three_page_sizes_drain_in_turn() {
+    let a = Allocator::new(SimDevice::new(4 << 30), Config::default()).unwrap();
+    let mut next = rng(3);
+    let mut live: Vec<u64> = Vec::new();
+    let mut step = |a: &Allocator<SimDevice>, live: &mut Vec<u64>, n: usize| {
+        for _ in 0..n {
+            if live.len() > 24 || (!live.is_empty() && next().is_multiple_of(3)) {
+                let j = (next() % live.len() as u64) as usize;
+                a.free(live.swap_remove(j)).unwrap();
+            } else {
+                live.push(a.allocate((next() % (20 * MIB)) + 4096, 0).unwrap());
+            }
+            a.verify().unwrap();
+        }
+    };
+    step(&a, &mut live, 200);
+    assert!(a.request_page_upgrade(8 * MIB));
+    assert!(!a.request_page_upgrade(16 * MIB), "one at a time");
+    step(&a, &mut live, 200);
+    assert_eq!(a.page_size(), 8 * MIB);
+    assert!(!a.request_page_upgrade(4 * MIB), "pages only grow");
+    assert!(a.request_page_upgrade(32 * MIB));
+    step(&a, &mut live, 300);
+    assert_eq!(a.page_size(), 32 * MIB);
+    let s = a.stats();
+    assert_eq!(s.page_upgrades, 2);
+    assert!(s.pages_drained > 0, "the old generations gave pages back");
+    for p in live.drain(..) {
+        a.free(p).unwrap();
+        a.verify().unwrap();
+    }
+    a.empty_cache().unwrap();
+    a.verify().unwrap();
+    assert_eq!(a.reserved_bytes(), 0);
+    assert_eq!(a.device().physical_bytes(), 0);
+    assert_eq!(a.device().live_mappings(), 0);
 }

@@ -32,6 +32,9 @@ enum Op {
     /// One stream's work completes while the others' stays queued: fences of that stream
     /// complete and others do not (`reuse_fenced_blocks` decides by them, block by block).
     CompleteStream(u64),
+    /// A page-size upgrade to twice the current page (up to 8 MiB), as the driver-share
+    /// watch asks for one: generations follow one another, each draining as its blocks die.
+    Upgrade,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -45,6 +48,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::EmptyCache),
         2 => Just(Op::Complete),
         2 => (0u64..3).prop_map(Op::CompleteStream),
+        1 => Just(Op::Upgrade),
     ]
 }
 
@@ -208,6 +212,12 @@ fn run(config: Config, ops: Vec<Op>) -> Result<(), TestCaseError> {
                 .map_err(|e| TestCaseError::fail(e.to_string()))?,
             Op::Complete => dev.complete_all(),
             Op::CompleteStream(s) => dev.complete_stream(s),
+            Op::Upgrade => {
+                let page = 2 * a.page_size();
+                if page <= 4 * PAGE {
+                    a.request_page_upgrade(page);
+                }
+            }
             _ => {}
         }
         a.verify().map_err(TestCaseError::fail)?;

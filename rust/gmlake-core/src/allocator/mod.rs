@@ -119,7 +119,7 @@ struct State {
     /// The size of the pages new memory gets: the first page size, then, after the upgrade,
     /// `page_upgrade_size`. Arenas keep the size of their generation (`Arena::page`).
     page: u64,
-    /// The current page generation (`ArenaKey::gen`): 0, or 1 after the upgrade.
+    /// The current page generation (`ArenaKey::gen`): 0, one more at each upgrade.
     gen: u8,
     /// (bytes held that trigger it, page size after it, 0: chosen then) of the page-size
     /// upgrade still to come; None when off, in debug mode, or done.
@@ -176,6 +176,11 @@ struct State {
     /// The driver-share watch (`watch.rs`) and the notices it queued, not yet taken; the
     /// flag (shared with the `Allocator`) says there are some, read without the lock.
     watch: watch::DriverShare,
+    /// The page the watch asked for (`driver_share_upgrade`), made at the next allocation
+    /// with no capture under way.
+    share_upgrade: Option<u64>,
+    /// Page-size upgrades may happen at all: `page_upgrade_at` is on and debug mode off.
+    pages_may_grow: bool,
     notices: Vec<String>,
     notice_flag: Arc<AtomicBool>,
 }
@@ -269,6 +274,7 @@ impl<D: Device> Allocator<D> {
             }
             None => None,
         };
+        let pages_may_grow = upgrade.is_some();
         let total = device.total_memory()? as u64;
         let chunk_size = total.div_ceil(page).max(64) * page;
         let debug = debug::DebugState::new(&config.debug, page);
@@ -294,7 +300,10 @@ impl<D: Device> Allocator<D> {
             event_pool: Vec::new(),
             fences: FxHashMap::default(),
             waited: FxHashMap::default(),
-            book: pages::PageBook::default(),
+            book: pages::PageBook {
+                gen_page: vec![page],
+                ..pages::PageBook::default()
+            },
             released_pools: FxHashSet::default(),
             captures: 0,
             now: 0,
@@ -310,6 +319,8 @@ impl<D: Device> Allocator<D> {
             reuse_checks: pages::MAX_REUSE_CHECKS,
             check_clean_spans: false,
             watch: watch::DriverShare::default(),
+            share_upgrade: None,
+            pages_may_grow,
             notices: Vec::new(),
             notice_flag: Arc::new(AtomicBool::new(false)),
         };
@@ -758,6 +769,25 @@ impl<D: Device> Allocator<D> {
         std::mem::take(&mut st.notices)
     }
 
+    /// For tests: asks for a page-size upgrade to `page` bytes as the driver-share watch does
+    /// (`driver_share_upgrade`), made at the next allocation with no capture under way. Only
+    /// where upgrades may happen (`page_upgrade_at` on, no debug mode) and `page` is larger
+    /// than the current page and a multiple of the granularity; returns whether it was asked.
+    #[doc(hidden)]
+    pub fn request_page_upgrade(&self, page: u64) -> bool {
+        let gran = self.device.granularity().unwrap_or(0) as u64;
+        let mut st = self.state.lock();
+        let ok = st.pages_may_grow
+            && page > st.page
+            && gran != 0
+            && page.is_multiple_of(gran)
+            && st.share_upgrade.is_none();
+        if ok {
+            st.share_upgrade = Some(page);
+        }
+        ok
+    }
+
     /// For tests: the driver-share watch's window (`watch::DRIVER_SHARE_WINDOW`, 5 s).
     #[doc(hidden)]
     pub fn set_driver_share_window(&self, window: std::time::Duration) {
@@ -944,6 +974,13 @@ impl State {
         };
         if self.upgrade_due() {
             self.upgrade_pages(dev)?;
+        }
+        if self.share_upgrade.is_some() && self.captures == 0 {
+            // The watch's upgrade replaces the rent-or-buy one still to come: the job has
+            // shown what its pages cost, in time.
+            let page = self.share_upgrade.take().unwrap_or(self.page);
+            self.upgrade = None;
+            self.upgrade_to(dev, page)?;
         }
         let aid = self.arena_id(ArenaKey {
             stream,

@@ -14,10 +14,11 @@ use super::*;
 pub(super) struct PageBook {
     pub physical: u64,
     pub bytes: u64,
-    /// Pages of the generation before the page-size upgrade (each `old_page` bytes), until
-    /// released; every other page is of the current size.
-    pub old: FxHashSet<PhysHandle>,
-    pub old_page: u64,
+    /// Pages of the generations before the current one (the page-size upgrades), each with
+    /// its generation, until released; every other page is of the current generation.
+    pub old: FxHashMap<PhysHandle, u8>,
+    /// The page size of each generation so far (`gen_page[g]`; the last is the current one).
+    pub gen_page: Vec<u64>,
     /// Created pages mapped nowhere actively (left over when a request failed half way).
     pub spare: Vec<PhysHandle>,
     /// Active page -> (arena, virtual address).
@@ -437,10 +438,9 @@ impl State {
 
     /// The size of page `h`, held now.
     pub(super) fn page_bytes(&self, h: PhysHandle) -> u64 {
-        if self.book.old.contains(&h) {
-            self.book.old_page
-        } else {
-            self.page
+        match self.book.old.get(&h) {
+            Some(&g) => self.book.gen_page[g as usize],
+            None => self.page,
         }
     }
 

@@ -89,24 +89,18 @@ impl State {
         for (aid, a) in self.arenas.iter().enumerate() {
             a.check()?;
             a.check_free_runs()?;
-            // The upgrade: an arena maps pages of its generation's size, and only those.
-            let (gen_page, old) = if a.key.gen == self.gen {
-                (self.page, false)
-            } else {
-                (self.book.old_page, true)
-            };
-            if a.key.gen > self.gen || a.page() != gen_page {
+            // The upgrades: an arena maps pages of its generation (of its size), and only those.
+            let gen = a.key.gen;
+            let of_gen = |h: PhysHandle| self.book.old.get(&h).copied().unwrap_or(self.gen) == gen;
+            let gen_page = self.book.gen_page.get(gen as usize).copied().unwrap_or(0);
+            if gen > self.gen || a.page() != gen_page {
                 return Err(format!(
-                    "arena {aid} of generation {} maps {} byte pages; generation {} maps {gen_page}",
-                    a.key.gen,
+                    "arena {aid} of generation {gen} maps {} byte pages, its generation's are {gen_page} (current generation {})",
                     a.page(),
                     self.gen
                 ));
             }
-            if let Some((va, h)) = a
-                .lent_matching(|h| self.book.old.contains(&h) != old)
-                .first()
-            {
+            if let Some((va, h)) = a.lent_matching(|h| !of_gen(h)).first() {
                 return Err(format!(
                     "arena {aid} of generation {} keeps an alias at {va:#x} of page {h:?} of another generation",
                     a.key.gen
@@ -119,7 +113,7 @@ impl State {
                 if !handles.insert(p.handle) {
                     return Err(format!("handle {:?} mapped twice as active", p.handle));
                 }
-                if self.book.old.contains(&p.handle) != old {
+                if !of_gen(p.handle) {
                     return Err(format!(
                         "page {:?} at {va:#x} in arena {aid} is not of the arena's generation",
                         p.handle
@@ -187,11 +181,32 @@ impl State {
             ));
         }
         // Bytes: each page held at its size; the old generation's pages are held ones.
-        if let Some(h) = self.book.spare.iter().find(|h| self.book.old.contains(h)) {
-            return Err(format!("spare page {h:?} is of the old page size"));
+        if let Some(h) = self
+            .book
+            .spare
+            .iter()
+            .find(|h| self.book.old.contains_key(h))
+        {
+            return Err(format!("spare page {h:?} is of an old page size"));
         }
-        if let Some(h) = self.book.old.iter().find(|h| !created.contains(h)) {
-            return Err(format!("page {h:?} of the old generation is not held"));
+        if let Some((h, g)) = self
+            .book
+            .old
+            .iter()
+            .find(|&(h, &g)| !created.contains(h) || g >= self.gen)
+        {
+            return Err(format!(
+                "page {h:?} of old generation {g} is not held, or not old (generation {})",
+                self.gen
+            ));
+        }
+        if self.book.gen_page.len() != self.gen as usize + 1
+            || self.book.gen_page.last() != Some(&self.page)
+        {
+            return Err(format!(
+                "page sizes by generation {:?}: not one a generation up to {} ending with {}",
+                self.book.gen_page, self.gen, self.page
+            ));
         }
         let unmapped: Vec<PhysHandle> = self
             .book

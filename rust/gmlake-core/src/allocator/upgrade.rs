@@ -14,13 +14,18 @@
 //!   maps pages of two sizes.
 //!
 //! The old generation thus drains into the new one as its blocks die: after a few steps of
-//! a training job, everything it holds is in large pages. The replay's model of this
+//! a training job, everything it holds is in large pages. The driver-share watch
+//! (`watch.rs`) may ask for further generations (`upgrade_to`) in a job whose driver calls
+//! keep taking a large share of its time: each old page keeps its generation (hence its
+//! size) in `PageBook::old` until released, so generations of several sizes may drain at
+//! once; pages move only within the current one. The replay's model of this
 //! (`gmlake replay --upgrade-pages`, two allocators side by side) kept every bundled trace
 //! at 0.97 utilization or above with a threshold of 1-2 GiB (docs/design.md).
 //!
-//! Invariants (checked by `verify`): an arena's pages are of its generation's size; the
-//! pages of the old generation are the ones in `PageBook::old`; spares are of the current
-//! size.
+//! Invariants (checked by `verify`): an arena's pages are of its generation's size
+//! (`PageBook::gen_page`, one entry a generation, the last the current page); the pages of
+//! older generations are the ones in `PageBook::old`, each with its generation; spares are of
+//! the current size.
 
 use super::*;
 
@@ -83,9 +88,8 @@ impl State {
         paid >= self.cfg.page_upgrade_remap * self.book.bytes as f64
     }
 
-    /// Moves to the next page generation: new memory gets `page_upgrade_size` pages. The
-    /// spare pages and the free pages of the old generation go back to the device. Called
-    /// with no graph capture under way (events are recorded).
+    /// Moves to the next page generation by the rent-or-buy rule: new memory gets
+    /// `page_upgrade_size` pages (0: `auto_page`). Called with no graph capture under way.
     pub(super) fn upgrade_pages<D: Device>(&mut self, dev: &D) -> Result<()> {
         let Some((_, page)) = self.upgrade.take() else {
             return Ok(());
@@ -94,11 +98,30 @@ impl State {
             0 => auto_page(self.page, self.large_peak),
             p => p,
         };
-        // Every page held now is of the old size: active (`home`), spare, or waiting for
-        // release (the `PageBook` invariant).
-        let mut old: FxHashSet<PhysHandle> = self.book.home.keys().copied().collect();
-        old.extend(self.book.spare.iter().copied());
-        old.extend(self.retired.iter().flat_map(|b| b.release.iter().copied()));
+        self.upgrade_to(dev, page)
+    }
+
+    /// Moves to the next page generation, of `page` bytes a page: the spare pages and the
+    /// free pages of every older generation go back to the device, and the pages still in use
+    /// there as their blocks are freed. Called with no graph capture under way (events are
+    /// recorded). Generations may follow one another (the rent-or-buy upgrade, then the
+    /// driver-share watch's, `watch.rs`): each old page keeps its generation, hence its size,
+    /// until it is released.
+    pub(super) fn upgrade_to<D: Device>(&mut self, dev: &D, page: u64) -> Result<()> {
+        // Every page held now and of no older generation is of the current one: active
+        // (`home`), spare, or waiting for release (the `PageBook` invariant).
+        let gen = self.gen;
+        let current = self
+            .book
+            .home
+            .keys()
+            .chain(self.book.spare.iter())
+            .chain(self.retired.iter().flat_map(|b| b.release.iter()))
+            .copied()
+            .collect::<Vec<_>>();
+        for h in current {
+            self.book.old.entry(h).or_insert(gen);
+        }
         tracing::info!(
             from = self.page,
             to = page,
@@ -106,9 +129,8 @@ impl State {
             large_peak = ?self.large_peak,
             "gmlake: page-size upgrade"
         );
-        self.book.old = old;
-        self.book.old_page = self.page;
         self.page = page;
+        self.book.gen_page.push(page);
         self.gen += 1;
         self.last_arena = None;
         self.stats.page_upgrades += 1;

@@ -1,5 +1,6 @@
-//! The driver-share watch (`driver_share_notice`): whether the allocator's driver calls take
-//! a large share of the job's wall time, said once.
+//! The driver-share watch (`driver_share_notice`, `driver_share_upgrade`): whether the
+//! allocator's driver calls take a large share of the job's wall time; said once, and acted
+//! on by giving new memory larger pages.
 //!
 //! Why: a job whose allocations' lifetimes do not repeat (random sizes and lifetimes, no
 //! steady state) reuses few stitched ranges, so every miss maps pages, and the driver
@@ -8,9 +9,13 @@
 //! native's time at the defaults, most of it in those calls, and the random-lifetime stress
 //! pattern 15-25x; larger pages bring both near native's time for some utilization
 //! (`page_size:16MiB` and `64MiB` respectively; the notice suggests a page near the job's mean
-//! large tensor). No default serves both those jobs and the ones with a steady
-//! state (docs/benchmarks.md, "The frontier of the random patterns"), so the allocator does
-//! not switch on its own: it measures, and tells the user which setting trades what.
+//! large tensor). No first page serves both those jobs and the ones with a steady state
+//! (docs/benchmarks.md, "The frontier of the random patterns"), and the rent-or-buy upgrade
+//! counts pages, not time: a job whose calls take a quarter of its time for ten seconds has
+//! shown which kind it is. So the watch measures, tells the user, and (with
+//! `driver_share_upgrade`, the default) moves new memory to pages near the job's mean large
+//! tensor through the page-size upgrade (`upgrade.rs`), the smaller pages draining as their
+//! blocks die.
 //!
 //! What counts: the share of the wall time spent in driver calls in a window, in a window
 //! whose maps were mostly of pages mapped again (stitched, or in place of replaced aliases),
@@ -18,10 +23,12 @@
 //! (native's cudaMalloc too), and can take seconds; a job without a steady state keeps moving
 //! the memory it holds.
 //!
-//! Invariants: the watch reads the clock only at a miss (never on a hit or a free); it
-//! decides nothing (a notice is a message, the allocator's choices are the same with the
-//! watch off, so replays and tests are unchanged by it); it tells at most once per
-//! allocator.
+//! Invariants: the watch reads the clock only at a miss (never on a hit or a free); the
+//! notice decides nothing (with `driver_share_upgrade:off` the allocator's choices are the
+//! same with the watch on or off), and the upgrade is its only decision, made at the next
+//! allocation (no capture under way), to a page larger than the current one, at most once in
+//! two windows; a replay, whose simulated calls take no time, never triggers it. It tells at
+//! most once per allocator, then a line per later upgrade.
 
 use super::*;
 use std::time::{Duration, Instant};
@@ -70,12 +77,16 @@ fn share_of(spent: u64, elapsed: Duration) -> f64 {
 impl State {
     /// At a miss: closes the window when it is over, and after `DRIVER_SHARE_WINDOWS` windows
     /// in a row at or above `driver_share_notice` whose maps were mostly of pages mapped
-    /// again, queues the notice (once). O(1).
+    /// again, tells (once) and, with `driver_share_upgrade`, asks for pages near the job's
+    /// mean large tensor (`share_upgrade`, made at the next allocation) where they are larger
+    /// than the current page. The windows then count anew, so a further upgrade waits for two
+    /// more windows at the new page. O(1).
     pub(super) fn watch_driver_share(&mut self) {
         let Some(threshold) = self.cfg.driver_share_notice else {
             return;
         };
-        if self.watch.told {
+        let may_act = self.cfg.driver_share_upgrade && self.pages_may_grow;
+        if self.watch.told && !may_act {
             return;
         }
         let now = Instant::now();
@@ -90,6 +101,7 @@ impl State {
         if elapsed < self.watch.window {
             return;
         }
+        self.watch.start = Some(mark);
         let share = share_of(self.watch.ns - ns0, elapsed);
         let mapped = maps.saturating_sub(maps0);
         let moved = self.remapped.saturating_sub(remapped0);
@@ -98,78 +110,125 @@ impl State {
         } else {
             0
         };
-        if self.watch.hot >= DRIVER_SHARE_WINDOWS {
+        if self.watch.hot < DRIVER_SHARE_WINDOWS {
+            return;
+        }
+        self.watch.hot = 0;
+        let large = (
+            self.stats.active_bytes.pool(PoolKind::Large).current.max(0) as u64,
+            self.stats.active.pool(PoolKind::Large).current.max(0) as u64,
+        );
+        let fit = fit_page(large);
+        let act = may_act && fit > self.page && self.share_upgrade.is_none();
+        if act {
+            self.share_upgrade = Some(fit);
+            self.stats.driver_share_upgrades += 1;
+        }
+        let seen = Seen {
+            share,
+            threshold,
+            window: elapsed,
+            maps: mapped,
+            stitches: stitches.saturating_sub(stitches0),
+            page: self.page,
+        };
+        let text = if !self.watch.told {
             self.watch.told = true;
             self.stats.driver_share_notices = 1;
-            let large = (
-                self.stats.active_bytes.pool(PoolKind::Large).current.max(0) as u64,
-                self.stats.active.pool(PoolKind::Large).current.max(0) as u64,
-            );
-            let text = notice_text(
-                share,
-                threshold,
-                elapsed,
-                mapped,
-                stitches.saturating_sub(stitches0),
-                self.page,
-                suggested_page(large, self.page),
-            );
-            tracing::warn!("{text}");
-            self.notices.push(text);
-            self.notice_flag.store(true, Ordering::Release);
-        }
-        self.watch.start = Some(mark);
+            notice_text(&seen, fit.max(2 * self.page), act)
+        } else if act {
+            upgrade_text(&seen, fit)
+        } else {
+            return;
+        };
+        tracing::warn!("{text}");
+        self.notices.push(text);
+        self.notice_flag.store(true, Ordering::Release);
     }
 }
 
-/// The page the notice suggests for a job whose large live blocks are now (bytes, blocks):
-/// the largest power of two at most their mean size, from 8 to 128 MiB, and larger than the
-/// page held now. Measured on an H200 (docs/benchmarks.md): the random mixed pattern (large
-/// blocks of about 9 MiB) runs at 1.16x native's time with 8 MiB pages and 1.13x with 16 MiB,
-/// for a point of utilization; the stress pattern (about 80 MiB) at 1.3x expandable
-/// segments' step with 64 MiB pages, 0.92 utilization. A page near a job's typical tensor
-/// moves a tensor in one or a few handles; much larger, and a partly used page holds a whole
-/// tensor's worth idle.
-fn suggested_page(large: (u64, u64), page: u64) -> u64 {
-    const MIB: u64 = 1 << 20;
-    let mean = large.0.checked_div(large.1).unwrap_or(0);
-    let fit = match mean {
-        0 => 16 * MIB,
-        m => 1u64 << (63 - m.leading_zeros()),
-    };
-    fit.clamp(8 * MIB, 128 * MIB).max(2 * page)
-}
-
-/// The notice: what was measured (the last window's share, pages mapped and stitches), why it
-/// happens, and the settings that trade (with the measured figures they rest on).
-fn notice_text(
+/// What a window showed: its share of driver time and the threshold, its length, the pages
+/// mapped and the stitches in it, and the page size then.
+struct Seen {
     share: f64,
     threshold: f64,
     window: Duration,
     maps: u64,
     stitches: u64,
     page: u64,
-    suggest: u64,
-) -> String {
-    let span = match window.as_secs_f64() {
-        s if s < 1.0 => format!("{:.0} ms", s * 1e3),
-        s => format!("{s:.1} s"),
+}
+
+impl Seen {
+    /// "61% of the last 5.2 s of this process (1234 pages of 2 MiB mapped, 56 stitches)".
+    fn figures(&self) -> String {
+        let span = match self.window.as_secs_f64() {
+            s if s < 1.0 => format!("{:.0} ms", s * 1e3),
+            s => format!("{s:.1} s"),
+        };
+        format!(
+            "{:.0}% of the last {span} of this process ({} pages of {} MiB mapped, {} stitches)",
+            self.share * 100.0,
+            self.maps,
+            self.page >> 20,
+            self.stitches
+        )
+    }
+}
+
+/// The largest power of two at most the mean size of the large live blocks (bytes, blocks),
+/// within 8-128 MiB (16 MiB when none lives): the page the watch moves to, or suggests.
+/// Measured on an H200 (docs/benchmarks.md): the random mixed pattern (large blocks of about
+/// 9 MiB) runs at 1.16x native's time with 8 MiB pages and 1.13x with 16 MiB, for a point of
+/// utilization; the stress pattern at 1.3x expandable segments' step with 64 MiB pages, 0.92
+/// utilization. A page near a job's typical tensor moves a tensor in one or a few handles;
+/// much larger, and a partly used page holds a whole tensor's worth idle.
+fn fit_page(large: (u64, u64)) -> u64 {
+    const MIB: u64 = 1 << 20;
+    let mean = large.0.checked_div(large.1).unwrap_or(0);
+    let fit = match mean {
+        0 => 16 * MIB,
+        m => 1u64 << (63 - m.leading_zeros()),
+    };
+    fit.clamp(8 * MIB, 128 * MIB)
+}
+
+/// The notice: what was measured, why it happens, and what the allocator does about it
+/// (`act`: new memory in `page` pages from now) or suggests (`page`).
+fn notice_text(seen: &Seen, page: u64, act: bool) -> String {
+    let what = if act {
+        format!(
+            "gmlake now gives new memory pages of {} MiB, near this job's mean large tensor, \
+             and gives the smaller ones back as their blocks are freed: far fewer calls for some \
+             utilization (driver_share_upgrade:off keeps the page; util_target:0.96, new memory \
+             first while utilization stays at 0.96, is the other trade)",
+            page >> 20
+        )
+    } else {
+        format!(
+            "Larger pages make far fewer calls for some utilization: \
+             GMLAKE_CONF=page_size:{}MiB, near this job's mean large tensor (or \
+             util_target:0.96, new memory first while utilization stays at 0.96)",
+            page >> 20
+        )
     };
     format!(
-        "CUDA driver calls took {:.0}% of the last {span} of this process ({maps} pages of \
-         {} MiB mapped, {stitches} stitches), and {:.0}% or more in the window before. \
-         The job's allocations do not repeat from step to step, so stitched ranges are seldom \
-         reused and each miss maps pages (20-35 us a page). Larger pages make far fewer calls \
-         for some utilization: GMLAKE_CONF=page_size:{}MiB, near this job's mean large tensor \
-         (or util_target:0.96, \
-         new memory first while utilization stays at 0.96); `gmlake replay \
-         --suggest-page-size` on a recorded trace of the job picks a page for it. \
-         docs/pytorch.md, \"Jobs with and without a steady state\"; driver_share_notice:off \
-         silences this.",
-        share * 100.0,
-        page >> 20,
-        threshold * 100.0,
-        suggest >> 20,
+        "CUDA driver calls took {}, and {:.0}% or more in the window before. The job's \
+         allocations do not repeat from step to step, so stitched ranges are seldom reused and \
+         each miss maps pages (20-35 us a page). {what}; `gmlake replay --suggest-page-size` \
+         on a recorded trace of the job picks a page for it. docs/pytorch.md, \"Jobs with and \
+         without a steady state\"; driver_share_notice:off silences this.",
+        seen.figures(),
+        seen.threshold * 100.0,
+    )
+}
+
+/// A later upgrade's line: the pages were still too small for the job.
+fn upgrade_text(seen: &Seen, page: u64) -> String {
+    format!(
+        "CUDA driver calls still took {} with the pages given after the notice: new memory now \
+         gets pages of {} MiB (driver_share_upgrade:off keeps the page).",
+        seen.figures(),
+        page >> 20
     )
 }
 
@@ -177,18 +236,16 @@ fn notice_text(
 mod tests {
     use super::*;
 
-    /// The suggested page follows the job's mean large tensor, within 8-128 MiB, and is
-    /// always larger than the page held.
+    const MIB: u64 = 1 << 20;
+
+    /// The page follows the job's mean large tensor, within 8-128 MiB.
     #[test]
-    fn the_suggested_page_is_near_the_mean_large_tensor() {
-        const MIB: u64 = 1 << 20;
-        let two = 2 * MIB;
-        assert_eq!(suggested_page((10_000 * 9 * MIB, 10_000), two), 8 * MIB);
-        assert_eq!(suggested_page((370 * 82 * MIB, 370), two), 64 * MIB);
-        assert_eq!(suggested_page((4 << 30, 2), two), 128 * MIB);
-        assert_eq!(suggested_page((100 * MIB, 100), two), 8 * MIB);
-        assert_eq!(suggested_page((0, 0), two), 16 * MIB);
-        assert_eq!(suggested_page((370 * 82 * MIB, 370), 64 * MIB), 128 * MIB);
+    fn the_page_is_near_the_mean_large_tensor() {
+        assert_eq!(fit_page((10_000 * 9 * MIB, 10_000)), 8 * MIB);
+        assert_eq!(fit_page((370 * 82 * MIB, 370)), 64 * MIB);
+        assert_eq!(fit_page((4 << 30, 2)), 128 * MIB);
+        assert_eq!(fit_page((100 * MIB, 100)), 8 * MIB);
+        assert_eq!(fit_page((0, 0)), 16 * MIB);
     }
 
     #[test]
@@ -197,33 +254,47 @@ mod tests {
         assert_eq!(share_of(0, Duration::ZERO), 0.0);
     }
 
-    /// The notice names what it measured and the settings it suggests, so that a user can
+    fn seen(window: Duration) -> Seen {
+        Seen {
+            share: 0.61,
+            threshold: 0.25,
+            window,
+            maps: 1234,
+            stitches: 56,
+            page: 2 * MIB,
+        }
+    }
+
+    /// The notice names what it measured and what it does or suggests, so that a user can
     /// act on it without the docs.
     #[test]
     fn the_notice_names_the_figures_and_the_settings() {
-        let t = notice_text(
-            0.61,
-            0.25,
-            Duration::from_millis(5_200),
-            1234,
-            56,
-            2 << 20,
-            16 << 20,
-        );
-        let short = notice_text(0.5, 0.25, Duration::from_millis(20), 1, 1, 2 << 20, 8 << 20);
-        assert!(short.contains("last 20 ms"), "{short}");
+        let s = seen(Duration::from_millis(5_200));
+        let told = notice_text(&s, 16 * MIB, false);
         for part in [
-            "61%",
-            "last 5.2 s",
+            "61% of the last 5.2 s",
+            "1234 pages of 2 MiB mapped, 56 stitches",
             "25% or more",
-            "1234 pages of 2 MiB",
-            "56 stitches",
             "page_size:16MiB, near this job's mean large tensor",
             "util_target:0.96",
             "--suggest-page-size",
             "driver_share_notice:off",
         ] {
-            assert!(t.contains(part), "{part:?} missing from {t}");
+            assert!(told.contains(part), "{part:?} missing from {told}");
         }
+        let acted = notice_text(&s, 16 * MIB, true);
+        for part in [
+            "now gives new memory pages of 16 MiB",
+            "driver_share_upgrade:off",
+            "util_target:0.96",
+        ] {
+            assert!(acted.contains(part), "{part:?} missing from {acted}");
+        }
+        assert!(!acted.contains("GMLAKE_CONF=page_size"), "{acted}");
+        let again = upgrade_text(&seen(Duration::from_millis(20)), 32 * MIB);
+        assert!(
+            again.contains("last 20 ms") && again.contains("pages of 32 MiB"),
+            "{again}"
+        );
     }
 }
