@@ -173,12 +173,13 @@ pub struct Config {
     /// (or 0) never tells. Nothing is decided on it: the notice only reports.
     pub driver_share_notice: Option<f64>,
     /// `driver_share_upgrade` (on by default): when the driver-share watch tells, new memory
-    /// also gets larger pages at once, near the job's mean large tensor (the largest power of
-    /// two at most its mean, 8-128 MiB) where that is larger than the page it has, and the
-    /// smaller pages go back to the device as their blocks are freed (a page-size upgrade,
-    /// `allocator/upgrade.rs`, after or instead of the rent-or-buy one). A job that keeps
-    /// paying at the new page may move up again after two more windows, while its mean large
-    /// tensor is larger. Not with `page_upgrade_at:off` (one page size) nor in debug mode.
+    /// also gets pages twice as large at once, and the smaller pages go back to the device as
+    /// their blocks are freed (a page-size upgrade, `allocator/upgrade.rs`, after or instead
+    /// of the rent-or-buy one). A job that keeps paying at the new page doubles it again after
+    /// two more windows, up to the page near its mean large tensor (the largest power of two
+    /// at most its mean, 8-128 MiB): it ends at the smallest page that brings its share under
+    /// the threshold, or at that cap. Not with `page_upgrade_at:off` (one page size) nor in
+    /// debug mode.
     pub driver_share_upgrade: bool,
 }
 

@@ -77,10 +77,11 @@ fn share_of(spent: u64, elapsed: Duration) -> f64 {
 impl State {
     /// At a miss: closes the window when it is over, and after `DRIVER_SHARE_WINDOWS` windows
     /// in a row at or above `driver_share_notice` whose maps were mostly of pages mapped
-    /// again, tells (once) and, with `driver_share_upgrade`, asks for pages near the job's
-    /// mean large tensor (`share_upgrade`, made at the next allocation) where they are larger
-    /// than the current page. The windows then count anew, so a further upgrade waits for two
-    /// more windows at the new page. O(1).
+    /// again, tells (once) and, with `driver_share_upgrade`, asks for pages twice as large
+    /// (`share_upgrade`, made at the next allocation), up to the page near the job's mean
+    /// large tensor. The windows then count anew, so a further doubling waits for two more
+    /// windows at the new page: the job ends at the smallest page that brings its share
+    /// under the threshold, or at that cap. O(1).
     pub(super) fn watch_driver_share(&mut self) {
         let Some(threshold) = self.cfg.driver_share_notice else {
             return;
@@ -118,10 +119,13 @@ impl State {
             self.stats.active_bytes.pool(PoolKind::Large).current.max(0) as u64,
             self.stats.active.pool(PoolKind::Large).current.max(0) as u64,
         );
+        // Up by doubling, to the page near the mean large tensor at most: the smallest page
+        // that brings the share under the threshold, found two windows a step.
         let fit = fit_page(large);
-        let act = may_act && fit > self.page && self.share_upgrade.is_none();
+        let next = fit.min(2 * self.page);
+        let act = may_act && next > self.page && self.share_upgrade.is_none();
         if act {
-            self.share_upgrade = Some(fit);
+            self.share_upgrade = Some(next);
             self.stats.driver_share_upgrades += 1;
         }
         let seen = Seen {
@@ -135,9 +139,13 @@ impl State {
         let text = if !self.watch.told {
             self.watch.told = true;
             self.stats.driver_share_notices = 1;
-            notice_text(&seen, fit.max(2 * self.page), act)
+            if act {
+                notice_text(&seen, next, Some(fit))
+            } else {
+                notice_text(&seen, fit.max(2 * self.page), None)
+            }
         } else if act {
-            upgrade_text(&seen, fit)
+            upgrade_text(&seen, next)
         } else {
             return;
         };
@@ -193,15 +201,18 @@ fn fit_page(large: (u64, u64)) -> u64 {
 }
 
 /// The notice: what was measured, why it happens, and what the allocator does about it
-/// (`act`: new memory in `page` pages from now) or suggests (`page`).
-fn notice_text(seen: &Seen, page: u64, act: bool) -> String {
-    let what = if act {
+/// (`cap` given: new memory in `page` pages from now, doubling up to `cap` while the share
+/// holds) or suggests (`page`).
+fn notice_text(seen: &Seen, page: u64, cap: Option<u64>) -> String {
+    let what = if let Some(cap) = cap {
         format!(
-            "gmlake now gives new memory pages of {} MiB, near this job's mean large tensor, \
-             and gives the smaller ones back as their blocks are freed: far fewer calls for some \
-             utilization (driver_share_upgrade:off keeps the page; util_target:0.96, new memory \
-             first while utilization stays at 0.96, is the other trade)",
-            page >> 20
+            "gmlake now gives new memory pages of {} MiB, and gives the smaller ones back as \
+             their blocks are freed: fewer calls for some utilization. While the calls keep \
+             that share it doubles the page, up to {} MiB, near this job's mean large tensor \
+             (driver_share_upgrade:off keeps the page; util_target:0.96, new memory first while \
+             utilization stays at 0.96, is the other trade)",
+            page >> 20,
+            cap >> 20
         )
     } else {
         format!(
@@ -270,7 +281,7 @@ mod tests {
     #[test]
     fn the_notice_names_the_figures_and_the_settings() {
         let s = seen(Duration::from_millis(5_200));
-        let told = notice_text(&s, 16 * MIB, false);
+        let told = notice_text(&s, 16 * MIB, None);
         for part in [
             "61% of the last 5.2 s",
             "1234 pages of 2 MiB mapped, 56 stitches",
@@ -282,9 +293,10 @@ mod tests {
         ] {
             assert!(told.contains(part), "{part:?} missing from {told}");
         }
-        let acted = notice_text(&s, 16 * MIB, true);
+        let acted = notice_text(&s, 4 * MIB, Some(16 * MIB));
         for part in [
-            "now gives new memory pages of 16 MiB",
+            "now gives new memory pages of 4 MiB",
+            "up to 16 MiB, near this job's mean large tensor",
             "driver_share_upgrade:off",
             "util_target:0.96",
         ] {
