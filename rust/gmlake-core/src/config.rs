@@ -170,7 +170,8 @@ pub struct Config {
     /// miss maps pages (on an H100 the random mixed pattern of bench/latency.cpp spends about
     /// 60% of its time in them at the defaults, the random-lifetime stress pattern over 90%;
     /// a training job with a steady state, none after its first steps). Default 0.25; `off`
-    /// (or 0) never tells. Nothing is decided on it: the notice only reports.
+    /// (or 0) never tells, nor upgrades. The notice itself decides nothing;
+    /// `driver_share_upgrade` acts at the same moment.
     pub driver_share_notice: Option<f64>,
     /// `driver_share_upgrade` (on by default): when the driver-share watch tells, new memory
     /// also gets pages twice as large at once, and the smaller pages go back to the device as

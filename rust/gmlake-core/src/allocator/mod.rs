@@ -208,7 +208,6 @@ macro_rules! drv {
         let r = $call;
         let ns = t0.elapsed().as_nanos() as u64;
         $st.stats.driver_ns += ns;
-        $st.watch.ns += ns;
         if $st.cfg.host_timing {
             $crate::calltime::note_driver(stringify!($kind), ns);
         }
@@ -975,10 +974,10 @@ impl State {
         if self.upgrade_due() {
             self.upgrade_pages(dev)?;
         }
-        if self.share_upgrade.is_some() && self.captures == 0 {
+        if let Some(page) = self.share_upgrade.filter(|_| self.captures == 0) {
             // The watch's upgrade replaces the rent-or-buy one still to come: the job has
             // shown what its pages cost, in time.
-            let page = self.share_upgrade.take().unwrap_or(self.page);
+            self.share_upgrade = None;
             self.upgrade = None;
             self.upgrade_to(dev, page)?;
         }

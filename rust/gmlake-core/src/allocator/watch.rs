@@ -45,11 +45,10 @@ pub(crate) const DRIVER_SHARE_WINDOWS: u32 = 2;
 /// What the watch has seen.
 #[derive(Debug)]
 pub(super) struct DriverShare {
-    /// Host nanoseconds of every driver call so far (not reset with the statistics).
-    pub ns: u64,
     pub window: Duration,
-    /// The current window's start: the time, and then `ns`, pages mapped, pages mapped again
-    /// (`State::remapped`) and stitches.
+    /// The current window's start: the time, and then the driver's nanoseconds
+    /// (`DeviceStats::driver_ns`), pages mapped, pages mapped again (`State::remapped`) and
+    /// stitches. Counters reset with the statistics read as 0 for the window they fall in.
     start: Option<(Instant, u64, u64, u64, u64)>,
     /// Windows in a row at or above the share.
     hot: u32,
@@ -59,7 +58,6 @@ pub(super) struct DriverShare {
 impl Default for DriverShare {
     fn default() -> Self {
         DriverShare {
-            ns: 0,
             window: DRIVER_SHARE_WINDOW,
             start: None,
             hot: 0,
@@ -93,7 +91,7 @@ impl State {
         let now = Instant::now();
         let maps = self.stats.driver_calls.map;
         let stitches = self.stats.stitches;
-        let mark = (now, self.watch.ns, maps, self.remapped, stitches);
+        let mark = (now, self.stats.driver_ns, maps, self.remapped, stitches);
         let Some((t0, ns0, maps0, remapped0, stitches0)) = self.watch.start else {
             self.watch.start = Some(mark);
             return;
@@ -103,7 +101,7 @@ impl State {
             return;
         }
         self.watch.start = Some(mark);
-        let share = share_of(self.watch.ns - ns0, elapsed);
+        let share = share_of(self.stats.driver_ns.saturating_sub(ns0), elapsed);
         let mapped = maps.saturating_sub(maps0);
         let moved = self.remapped.saturating_sub(remapped0);
         self.watch.hot = if share >= threshold && mapped > 0 && 2 * moved >= mapped {
@@ -265,6 +263,13 @@ mod tests {
         assert_eq!(share_of(0, Duration::ZERO), 0.0);
     }
 
+    /// Every one of `parts` is in `text`.
+    fn assert_mentions(text: &str, parts: &[&str]) {
+        for part in parts {
+            assert!(text.contains(part), "{part:?} missing from {text}");
+        }
+    }
+
     fn seen(window: Duration) -> Seen {
         Seen {
             share: 0.61,
@@ -282,26 +287,28 @@ mod tests {
     fn the_notice_names_the_figures_and_the_settings() {
         let s = seen(Duration::from_millis(5_200));
         let told = notice_text(&s, 16 * MIB, None);
-        for part in [
-            "61% of the last 5.2 s",
-            "1234 pages of 2 MiB mapped, 56 stitches",
-            "25% or more",
-            "page_size:16MiB, near this job's mean large tensor",
-            "util_target:0.96",
-            "--suggest-page-size",
-            "driver_share_notice:off",
-        ] {
-            assert!(told.contains(part), "{part:?} missing from {told}");
-        }
+        assert_mentions(
+            &told,
+            &[
+                "61% of the last 5.2 s",
+                "1234 pages of 2 MiB mapped, 56 stitches",
+                "25% or more",
+                "page_size:16MiB, near this job's mean large tensor",
+                "util_target:0.96",
+                "--suggest-page-size",
+                "driver_share_notice:off",
+            ],
+        );
         let acted = notice_text(&s, 4 * MIB, Some(16 * MIB));
-        for part in [
-            "now gives new memory pages of 4 MiB",
-            "up to 16 MiB, near this job's mean large tensor",
-            "driver_share_upgrade:off",
-            "util_target:0.96",
-        ] {
-            assert!(acted.contains(part), "{part:?} missing from {acted}");
-        }
+        assert_mentions(
+            &acted,
+            &[
+                "now gives new memory pages of 4 MiB",
+                "up to 16 MiB, near this job's mean large tensor",
+                "driver_share_upgrade:off",
+                "util_target:0.96",
+            ],
+        );
         assert!(!acted.contains("GMLAKE_CONF=page_size"), "{acted}");
         let again = upgrade_text(&seen(Duration::from_millis(20)), 32 * MIB);
         assert!(
