@@ -21,6 +21,9 @@ pub struct Waste {
     pub active: u64,
     /// Free blocks after the last live block of a mapped run.
     pub tails: u64,
+    /// How many runs hold such a tail: with `tails`, whether the loss is many partly used
+    /// last pages (each under a page: the room growing blocks grow into) or a few large ones.
+    pub tail_runs: u64,
     /// Free blocks before the first live block of a run.
     pub heads: u64,
     /// Free blocks with live blocks on both sides in their run.
@@ -46,6 +49,15 @@ impl Waste {
             let live = |s: BlockState| s == BlockState::ActiveAllocated;
             let first = seg.blocks.iter().position(|b| live(b.state));
             let last = seg.blocks.iter().rposition(|b| live(b.state));
+            if let Some(l) = last {
+                let after = &seg.blocks[l + 1..];
+                if after
+                    .iter()
+                    .any(|b| b.state != BlockState::ActivePendingFree)
+                {
+                    w.tail_runs += 1;
+                }
+            }
             for (i, b) in seg.blocks.iter().enumerate() {
                 let place = match b.state {
                     BlockState::ActiveAllocated => &mut w.active,
@@ -68,10 +80,11 @@ impl Waste {
     pub fn line(&self) -> String {
         let b = crate::report::bytes;
         format!(
-            "reserved {} = active {} + free after the last live block of a run {} + before the first {} + between live blocks {} + whole free runs {} + pending frees {} + held unmapped {}",
+            "reserved {} = active {} + free after the last live block of a run {} (in {} runs) + before the first {} + between live blocks {} + whole free runs {} + pending frees {} + held unmapped {}",
             b(self.reserved),
             b(self.active),
             b(self.tails),
+            self.tail_runs,
             b(self.heads),
             b(self.between),
             b(self.free_runs),
@@ -96,6 +109,7 @@ mod tests {
         let _p = a.allocate(3 * M, 0).unwrap();
         let w = Waste::of(&a.snapshot(), a.device().physical_bytes());
         assert_eq!((w.reserved, w.active, w.tails), (4 * M, 3 * M, M), "{w:?}");
+        assert_eq!(w.tail_runs, 1, "{w:?}");
         assert_eq!(
             w.heads + w.between + w.free_runs + w.pending + w.unmapped,
             0
@@ -113,6 +127,7 @@ mod tests {
         assert_eq!(w.active, 8 * M, "{w:?}");
         assert_eq!(w.heads, 4 * M, "{w:?}");
         assert_eq!(w.between, 4 * M, "{w:?}");
+        assert_eq!((w.tails, w.tail_runs), (0, 0), "{w:?}");
         assert_eq!(
             w.active + w.tails + w.heads + w.between + w.free_runs + w.pending + w.unmapped,
             w.reserved,
@@ -122,5 +137,6 @@ mod tests {
         b.free(p[3]).unwrap();
         let w = Waste::of(&b.snapshot(), b.device().physical_bytes());
         assert_eq!((w.active, w.free_runs), (0, 16 * M), "{w:?}");
+        assert_eq!((w.tails, w.tail_runs), (0, 0), "{w:?}");
     }
 }
