@@ -218,12 +218,11 @@ pub struct ReplayArgs {
     pub windows: Option<u16>,
 
     /// Also report where the memory held at the peak sits: live blocks, free blocks after the
-    /// last live block of a mapped run (tails of stitched ranges, and how many runs hold
-    /// one), before the first, between
-    /// live blocks, whole free runs, frees pending on other streams, and pages held unmapped
-    /// (JSON: `waste_at_peak`; table: a line per device), at the peak sampled after each event
-    /// (a peak inside one allocator call, which the reserved figure also counts, is not seen).
-    /// Reads a snapshot each time that peak rises.
+    /// last live block of a mapped run (tails of stitched ranges, and how many runs hold one),
+    /// before the first, between live blocks, whole free runs, frees pending on other streams,
+    /// and pages held unmapped (JSON: `waste_at_peak`; table: a line per device), at the peak
+    /// sampled after each event (a peak inside one allocator call, which the reserved figure
+    /// also counts, is not seen). Reads a snapshot each time that peak rises.
     #[arg(long)]
     pub waste_at_peak: bool,
 

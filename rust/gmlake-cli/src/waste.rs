@@ -49,28 +49,24 @@ impl Waste {
             let live = |s: BlockState| s == BlockState::ActiveAllocated;
             let first = seg.blocks.iter().position(|b| live(b.state));
             let last = seg.blocks.iter().rposition(|b| live(b.state));
-            if let Some(l) = last {
-                let after = &seg.blocks[l + 1..];
-                if after
-                    .iter()
-                    .any(|b| b.state != BlockState::ActivePendingFree)
-                {
-                    w.tail_runs += 1;
-                }
-            }
+            let mut has_tail = false;
             for (i, b) in seg.blocks.iter().enumerate() {
                 let place = match b.state {
                     BlockState::ActiveAllocated => &mut w.active,
                     BlockState::ActivePendingFree => &mut w.pending,
                     _ => match (first, last) {
                         (Some(f), _) if i < f => &mut w.heads,
-                        (_, Some(l)) if i > l => &mut w.tails,
+                        (_, Some(l)) if i > l => {
+                            has_tail = true;
+                            &mut w.tails
+                        }
                         (Some(_), Some(_)) => &mut w.between,
                         _ => &mut w.free_runs,
                     },
                 };
                 *place += b.size;
             }
+            w.tail_runs += u64::from(has_tail);
         }
         w.unmapped = reserved.saturating_sub(mapped);
         w
